@@ -1,0 +1,26 @@
+"""Typed errors: every failure a caller is expected to handle has a class and a reason."""
+
+
+class MistError(Exception):
+    """Base class of the library's own errors."""
+
+
+class InvalidExample(MistError):
+    """An example that cannot be scored. `reason` is a short machine-friendly code."""
+
+    def __init__(self, reason: str, detail: str = "", example_id=None):
+        self.reason = reason
+        self.detail = detail
+        self.example_id = example_id
+        msg = reason if not detail else f"{reason}: {detail}"
+        if example_id is not None:
+            msg = f"[{example_id}] {msg}"
+        super().__init__(msg)
+
+
+class UnsupportedModel(MistError):
+    """A model whose decoder blocks, embeddings or unembedding cannot be located."""
+
+
+class MissingDependency(MistError):
+    """An optional package or model file that a feature needs is not available."""

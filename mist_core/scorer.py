@@ -1,0 +1,197 @@
+"""The first-order MIST scorer (Eq. 4-8 of ../shared/MIST.md) and the scorer interface."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .examples import Example
+from .models import LM
+from .templates import Encoded, get_template
+from .tracing import length_batches, pad, run_base, span_logprobs, trace, wide
+
+AXES = ("necessity", "sufficiency")
+
+
+@dataclass
+class ScoredChain:
+    """Per-token scores of one chain. `scores` is what pruning ranks (keep the highest)."""
+
+    example: Example
+    method: str
+    scores: np.ndarray  # [T]
+    source_ids: np.ndarray
+    chain_start: int
+    answer_start: int
+    answer_stop: int
+    target_ids: np.ndarray
+    target_final: int
+    chain_offsets: np.ndarray  # [T, 2] character spans within example.cot
+    necessity: np.ndarray | None = None  # [T] Eq. 7, before normalisation
+    sufficiency: np.ndarray | None = None
+    necessity_per_layer: np.ndarray | None = None  # [L, T] Eq. 4
+    sufficiency_per_layer: np.ndarray | None = None  # [L, T] Eq. 5
+    layer_weights: np.ndarray | None = None  # [L] Eq. 6
+    layers: np.ndarray | None = None  # the block numbers l (1-based) of the per-layer rows
+    log_likelihood: float | None = None  # log p(a | x, c)
+    nochain_log_likelihood: float | None = None  # log p(a | x, ∅)
+
+    @property
+    def id(self) -> str:
+        return self.example.key
+
+    @property
+    def chain_ids(self) -> np.ndarray:
+        return self.source_ids[self.chain_start: self.chain_start + len(self.scores)]
+
+    @classmethod
+    def from_encoded(cls, enc: Encoded, method: str, scores: np.ndarray, **fields) -> "ScoredChain":
+        return cls(example=enc.example, method=method, scores=np.asarray(scores, np.float64),
+                   source_ids=enc.source_ids, chain_start=enc.chain_start,
+                   answer_start=enc.answer_start, answer_stop=enc.answer_stop,
+                   target_ids=enc.target_ids, target_final=enc.target_final,
+                   chain_offsets=enc.chain_offsets, **fields)
+
+
+class Scorer:
+    """Scores chains in batches. Subclasses implement `_score_batch` over encoded examples;
+    batching is by token budget over length-sorted examples, and results come back in
+    input order."""
+
+    method = "base"
+
+    def __init__(self, lm: LM, template: str = "auto", max_tokens: int = 4096,
+                 max_batch: int = 32):
+        self.lm = lm
+        self.template = get_template(template, lm.tokenizer, lm.max_length)
+        self.max_tokens = max_tokens
+        self.max_batch = max_batch
+
+    def encode(self, ex: Example) -> Encoded:
+        """Tokenise one example; raises InvalidExample for what cannot be scored."""
+        return self.template.encode(ex)
+
+    def score(self, examples: Sequence[Example]) -> list[ScoredChain]:
+        return self.score_encoded([self.encode(ex) for ex in examples])
+
+    def score_encoded(self, encoded: Sequence[Encoded]) -> list[ScoredChain]:
+        out: list[ScoredChain | None] = [None] * len(encoded)
+        lengths = [len(e.source_ids) for e in encoded]
+        for idx in length_batches(lengths, self.max_tokens, self.max_batch):
+            for i, res in zip(idx, self._score_batch([encoded[i] for i in idx])):
+                out[i] = res
+        return out  # type: ignore[return-value]
+
+    def _score_batch(self, batch: list[Encoded]) -> list[ScoredChain]:
+        raise NotImplementedError
+
+
+def zscore(v: np.ndarray) -> np.ndarray:
+    sd = v.std()
+    if not np.isfinite(sd) or sd < 1e-12 * max(1.0, float(np.abs(v).max())):
+        return np.zeros_like(v)
+    return (v - v.mean()) / sd
+
+
+def combine(necessity: np.ndarray | None, sufficiency: np.ndarray | None,
+            alpha: float) -> np.ndarray:
+    """Eq. 8 with the per-chain normalisation: necessity z-scored in log space,
+    sufficiency with a plain z-score. With one axis, that axis alone."""
+    nec = zscore(np.log(np.abs(necessity) + 1e-12)) if necessity is not None else None
+    suf = zscore(sufficiency) if sufficiency is not None else None
+    if nec is None:
+        return suf
+    if suf is None:
+        return nec
+    return alpha * nec + (1.0 - alpha) * suf
+
+
+class MistScorer(Scorer):
+    """First-order MIST: one source pass and one no-chain pass per batch, each a forward
+    and a backward to the residual stream (no parameter gradients).
+
+    axes: ("necessity", "sufficiency") or one of them; layers: block numbers 1..L to
+    aggregate over (default all)."""
+
+    method = "mist"
+
+    def __init__(self, lm: LM, alpha: float = 0.6, axes: Sequence[str] = AXES,
+                 layers: Sequence[int] | None = None, **kwargs):
+        super().__init__(lm, **kwargs)
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must lie in [0, 1], not {alpha}")
+        bad = set(axes) - set(AXES)
+        if bad or not axes:
+            raise ValueError(f"axes must be a non-empty subset of {AXES}, not {tuple(axes)}")
+        self.alpha = alpha
+        self.axes = tuple(a for a in AXES if a in axes)
+        L = lm.n_layers
+        self.layers = sorted(set(layers)) if layers is not None else list(range(1, L + 1))
+        if not self.layers or self.layers[0] < 1 or self.layers[-1] > L:
+            raise ValueError(f"layers must be block numbers in 1..{L}, not {layers}")
+        if self.axes != AXES:
+            self.method = self.axes[0]
+
+    def _source_pass(self, batch: list[Encoded]):
+        """h^(l) at every position and ∇_{h^(l)} log p(a|x,c), for the selected layers."""
+        lm = self.lm
+        ids, mask = pad([e.source_ids for e in batch], lm.pad_id, lm.device)
+        need_grad = "necessity" in self.axes
+        with trace(lm, grad=need_grad) as tr:
+            hidden = run_base(lm, ids, mask).last_hidden_state
+            lps = span_logprobs(lm, hidden, [(e.answer_start, e.answer_stop) for e in batch], ids)
+            grads = None
+            if need_grad:
+                grads = torch.autograd.grad(torch.stack([lp.sum() for lp in lps]).sum(),
+                                            [tr.states[l] for l in self.layers])
+        return [s.detach() for s in tr.states], grads, [float(lp.detach().sum()) for lp in lps]
+
+    def _target_pass(self, batch: list[Encoded]):
+        """∇ log p(a|x,∅) and h at the no-chain final position f, for the selected layers."""
+        lm = self.lm
+        ids, mask = pad([e.target_ids for e in batch], lm.pad_id, lm.device)
+        spans = [(e.target_final + 1, len(e.target_ids)) for e in batch]
+        with trace(lm, grad=True) as tr:
+            hidden = run_base(lm, ids, mask).last_hidden_state
+            lps = span_logprobs(lm, hidden, spans, ids)
+            grads = torch.autograd.grad(torch.stack([lp.sum() for lp in lps]).sum(),
+                                        [tr.states[l] for l in self.layers])
+        rows = torch.arange(len(batch), device=lm.device)
+        final = torch.tensor([e.target_final for e in batch], device=lm.device)
+        g_f = torch.stack([g[rows, final] for g in grads], 1)  # [B, Lsel, d]
+        h_f = torch.stack([tr.states[l].detach()[rows, final] for l in self.layers], 1)
+        return g_f, h_f, [float(lp.detach().sum()) for lp in lps]
+
+    def _score_batch(self, batch: list[Encoded]) -> list[ScoredChain]:
+        states, grads, ll_src = self._source_pass(batch)
+        if "sufficiency" in self.axes:
+            g_f, h_f, ll_tgt = self._target_pass(batch)
+        sel = torch.tensor(self.layers, device=self.lm.device)
+        out = []
+        for b, enc in enumerate(batch):
+            cs, ce = enc.chain_start, enc.chain_stop
+            H = wide(torch.stack([s[b, cs:ce] for s in states]))  # [L+1, T, d], h^(0..L)
+            w_u = wide(self.lm.unembedding[int(enc.source_ids[enc.answer_start])])
+            proj = H @ w_u  # [L+1, T]
+            cbar = (proj[1:] - proj[:-1]).mean(1)[sel - 1]  # Eq. 6, [Lsel]
+            H_sel = H[sel]
+            fields = {"layer_weights": cbar, "layers": np.asarray(self.layers),
+                      "log_likelihood": ll_src[b]}
+            if "necessity" in self.axes:
+                G = wide(torch.stack([g[b, cs:ce] for g in grads]))
+                phi = (G * H_sel).sum(-1)  # Eq. 4, [Lsel, T]
+                fields.update(necessity_per_layer=phi,
+                              necessity=(cbar[:, None] * phi.abs()).sum(0))  # Eq. 7
+            if "sufficiency" in self.axes:
+                g, h = wide(g_f[b]), wide(h_f[b])  # [Lsel, d]
+                psi = torch.einsum("ltd,ld->lt", H_sel, g) - (g * h).sum(-1)[:, None]  # Eq. 5
+                fields.update(sufficiency_per_layer=psi,
+                              sufficiency=(cbar[:, None] * psi.abs()).sum(0),  # Eq. 7
+                              nochain_log_likelihood=ll_tgt[b])
+            fields = {k: v.detach().cpu().double().numpy() if torch.is_tensor(v) else v
+                      for k, v in fields.items()}
+            scores = combine(fields.get("necessity"), fields.get("sufficiency"), self.alpha)
+            out.append(ScoredChain.from_encoded(enc, self.method, scores, **fields))
+        return out

@@ -1,0 +1,150 @@
+"""Prompt templates: an example becomes the full input [x; c; a] and the no-chain input
+[x; a], with the spans MIST needs recorded exactly.
+
+Each input is tokenised as one string (so tokens are the model's natural ones) and the
+spans are read off the tokenizer's character offsets: a chain token is any token that
+overlaps the chain's characters, an answer token any token that overlaps the answer's."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import InvalidExample
+from .examples import Example
+
+ANSWER_LEAD = "The answer is "
+_COT, _ANS = "@@MIST_COT@@", "@@MIST_ANSWER@@"
+
+
+@dataclass
+class Encoded:
+    """One example, tokenised. Chain tokens are source_ids[chain_start:chain_start+T];
+    the objective is the log-likelihood of source_ids[answer_start:answer_stop] (and of
+    target_ids[target_final+1:], the same answer, in the no-chain input)."""
+
+    example: Example
+    source_ids: np.ndarray
+    chain_start: int
+    chain_len: int
+    answer_start: int
+    target_ids: np.ndarray
+    target_final: int
+    chain_offsets: np.ndarray  # [T, 2] character spans of the chain tokens within example.cot
+
+    @property
+    def answer_stop(self) -> int:
+        return len(self.source_ids)
+
+    @property
+    def chain_stop(self) -> int:
+        return self.chain_start + self.chain_len
+
+    @property
+    def answer_len(self) -> int:
+        return self.answer_stop - self.answer_start
+
+    @property
+    def prefix_len(self) -> int:
+        """Leading tokens the two inputs share (the question part)."""
+        n = min(len(self.source_ids), len(self.target_ids))
+        diff = np.nonzero(self.source_ids[:n] != self.target_ids[:n])[0]
+        return int(diff[0]) if len(diff) else n
+
+
+def _overlapping(offsets: np.ndarray, start: int, stop: int) -> np.ndarray:
+    return np.nonzero((offsets[:, 0] < stop) & (offsets[:, 1] > start))[0]
+
+
+class Template:
+    """Renders (question, chain, answer) as text; subclasses say how."""
+
+    name = "base"
+    add_special_tokens = False
+
+    def __init__(self, tokenizer, max_length: int | None = None):
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError("templates need a fast tokenizer (character offsets)")
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+
+    def prefix(self, question: str) -> str:
+        """The text before the assistant's content (chain, answer line) for this question."""
+        raise NotImplementedError
+
+    def _tokenize(self, text: str):
+        enc = self.tokenizer(text, add_special_tokens=self.add_special_tokens,
+                             return_offsets_mapping=True)
+        return np.asarray(enc["input_ids"], dtype=np.int64), np.asarray(enc["offset_mapping"],
+                                                                         dtype=np.int64)
+
+    def encode(self, ex: Example) -> Encoded:
+        before = self.prefix(ex.question)
+        chain_at = len(before)
+        full = before + ex.cot + "\n\n" + ANSWER_LEAD
+        answer_at = len(full)
+        full += ex.answer
+        ids, offsets = self._tokenize(full)
+        chain = _overlapping(offsets, chain_at, chain_at + len(ex.cot))
+        answer = _overlapping(offsets, answer_at, len(full))
+        if len(answer) == 0:
+            raise InvalidExample("answer_no_tokens", "the answer tokenizes to nothing", ex.id)
+        if len(chain) == 0:
+            raise InvalidExample("cot_no_tokens", "the chain tokenizes to nothing", ex.id)
+        if chain[-1] >= answer[0]:
+            raise InvalidExample("span_overlap", "chain and answer share a token", ex.id)
+        if self.max_length is not None and len(ids) > self.max_length:
+            raise InvalidExample("too_long", f"{len(ids)} tokens > model context "
+                                 f"{self.max_length}", ex.id)
+        ids = ids[: answer[-1] + 1]
+
+        nochain = before + ANSWER_LEAD
+        t_answer_at = len(nochain)
+        nochain += ex.answer
+        t_ids, t_offsets = self._tokenize(nochain)
+        t_answer = _overlapping(t_offsets, t_answer_at, len(nochain))
+        if len(t_answer) == 0 or t_answer[0] == 0:
+            raise InvalidExample("answer_no_tokens", "no-chain input has no scorable answer", ex.id)
+        t_ids = t_ids[: t_answer[-1] + 1]
+
+        chain_offsets = np.clip(offsets[chain] - chain_at, 0, len(ex.cot))
+        return Encoded(example=ex, source_ids=ids, chain_start=int(chain[0]),
+                       chain_len=len(chain), answer_start=int(answer[0]), target_ids=t_ids,
+                       target_final=int(t_answer[0]) - 1, chain_offsets=chain_offsets)
+
+
+class ChatTemplate(Template):
+    """The tokenizer's own chat template: the question is the user turn; the chain, then
+    the answer line, is the assistant turn."""
+
+    name = "chat"
+
+    def prefix(self, question: str) -> str:
+        messages = [{"role": "user", "content": question},
+                    {"role": "assistant", "content": _COT + _ANS}]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False)
+        if text.count(_COT) != 1 or text.count(_ANS) != 1:
+            raise ValueError("the tokenizer's chat template does not render the assistant "
+                             "turn verbatim; use the plain template")
+        return text.split(_COT)[0]
+
+
+class PlainTemplate(Template):
+    """A plain-text prompt, for base models."""
+
+    name = "plain"
+    add_special_tokens = True
+
+    def prefix(self, question: str) -> str:
+        return f"Question: {question}\nSolution:\n"
+
+
+def get_template(name: str, tokenizer, max_length: int | None = None) -> Template:
+    """`auto` takes the chat template where the tokenizer has one, else the plain one."""
+    if name == "auto":
+        name = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
+    if name == "chat":
+        return ChatTemplate(tokenizer, max_length)
+    if name == "plain":
+        return PlainTemplate(tokenizer, max_length)
+    raise ValueError(f"unknown template {name!r}: use auto, chat or plain")

@@ -1,0 +1,115 @@
+"""Reading the residual stream: hooks that record h^(0..L) and run batched passes.
+
+h^(0) is the input of the first block (the embeddings, after any model-specific scaling)
+and h^(l) the output of block l. When gradients are wanted, h^(0) is re-made a leaf that
+requires grad, so every later h^(l) carries a graph while the parameters need none."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .models import LM
+
+
+def _hidden(output):
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+@dataclass
+class Trace:
+    states: list = field(default_factory=list)  # h^(0..L), each [B, S, d]
+    block_inputs: list = field(default_factory=list)  # (args, kwargs) of each block, hidden state removed
+
+
+@contextmanager
+def trace(lm: LM, grad: bool = False, capture_inputs: bool = False):
+    """Record h^(0..L) of the passes run inside the block."""
+    tr = Trace()
+    handles = []
+
+    def first_pre(module, args, kwargs):
+        if args:
+            h, rest = args[0], args[1:]
+        else:
+            h, rest = kwargs.pop("hidden_states"), ()
+        if grad:
+            h = h.detach().requires_grad_(True)
+        tr.states.append(h)
+        return (h, *rest), kwargs
+
+    def capture_pre(module, args, kwargs):
+        kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        tr.block_inputs.append((tuple(args[1:]), kw))
+
+    def post(module, args, kwargs, output):
+        tr.states.append(_hidden(output))
+
+    try:
+        handles.append(lm.blocks[0].register_forward_pre_hook(first_pre, with_kwargs=True))
+        for block in lm.blocks:
+            if capture_inputs:
+                handles.append(block.register_forward_pre_hook(capture_pre, with_kwargs=True))
+            handles.append(block.register_forward_hook(post, with_kwargs=True))
+        with torch.set_grad_enabled(grad):
+            yield tr
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """Half-precision tensors go up to fp32 for reductions; fp32 and fp64 stay as they are."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def pad(seqs: list[np.ndarray], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right padding: under causal attention real positions never see the pads, so an
+    example's numbers do not depend on its batch."""
+    width = max(len(s) for s in seqs)
+    ids = np.full((len(seqs), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(seqs), width), dtype=np.int64)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s
+        mask[i, : len(s)] = 1
+    return torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
+
+
+def run_base(lm: LM, ids: torch.Tensor, mask: torch.Tensor, **kwargs):
+    """The decoder without its LM head: `.last_hidden_state` is the final-norm output
+    [B, S, d]; logits are left to the caller, who computes them only where needed."""
+    return lm.base(input_ids=ids, attention_mask=mask, use_cache=False, **kwargs)
+
+
+def span_logprobs(lm: LM, hidden: torch.Tensor, spans: list[tuple[int, int]],
+                  ids: torch.Tensor) -> list[torch.Tensor]:
+    """For row b and span (start, stop): log p(ids[b, t] | ids[b, :t]) for t in the span,
+    from the logits at positions start-1 .. stop-2 only."""
+    rows, pos = [], []
+    for b, (start, stop) in enumerate(spans):
+        rows.extend([b] * (stop - start))
+        pos.extend(range(start - 1, stop - 1))
+    rows_t = torch.tensor(rows, device=hidden.device)
+    pos_t = torch.tensor(pos, device=hidden.device)
+    logits = wide(lm.lm_head(hidden[rows_t, pos_t]))
+    lp = torch.log_softmax(logits, dim=-1).gather(1, ids[rows_t, pos_t + 1][:, None])[:, 0]
+    return list(torch.split(lp, [stop - start for start, stop in spans]))
+
+
+def length_batches(lengths: list[int], max_tokens: int, max_batch: int) -> list[list[int]]:
+    """Indices grouped into batches of similar length whose padded size stays within
+    max_tokens (a longer example than that goes alone)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches, cur, width = [], [], 0
+    for i in order:
+        w = max(width, lengths[i])
+        if cur and (w * (len(cur) + 1) > max_tokens or len(cur) >= max_batch):
+            batches.append(cur)
+            cur, w = [], lengths[i]
+        cur.append(i)
+        width = w
+    if cur:
+        batches.append(cur)
+    return batches

@@ -1,0 +1,102 @@
+"""Fixtures: tiny random-initialised Llama/Qwen2/Mistral models and a byte-level BPE
+tokenizer trained in the test session, so the fast tests need no download."""
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+CORPUS = [
+    "Janet has 16 eggs. She eats 3 and bakes with 4, so she sells 16 - 3 - 4 = 9 eggs.",
+    "She makes 9 * 2 = 18 dollars every day at the market. The answer is 18.",
+    "Question: how many apples are left? Answer: there are 12 - 5 = 7 apples left.",
+    "Therefore the total cost is 3 + 4 + 5 = 12 and each friend pays 12 / 3 = 4.",
+    "If x = 2 then 2x + 1 = 5, so the value of the expression is 5.",
+    "Tom runs 5 miles a day for 7 days, which is 35 miles a week in total.",
+]
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # Drops zero-width spaces, so that a text made of them tokenizes to nothing.
+    tok.normalizer = normalizers.Replace("\u200b", "")
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 5, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", bos_token="<|im_start|>")
+    fast.chat_template = CHATML
+    return fast
+
+
+def make_model(arch: str, vocab: int, dtype=torch.float32, layers: int = 4, seed: int = 0):
+    from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config)
+
+    common = dict(vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=False)
+    config = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch](**common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    # Random init gives near-uniform logits; larger weights make the answer depend on the
+    # chain so that scores are far from zero and comparisons mean something.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    return model
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def tiny_lm(request, tokenizer):
+    from mist_core.models import wrap_model
+
+    return wrap_model(make_model(request.param, len(tokenizer)), tokenizer, f"tiny-{request.param}")
+
+
+def _rmsnorm_fp64(self, x):
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def full_precision_norms(model):
+    """transformers' RMSNorm computes in fp32 whatever the input dtype, which caps an fp64
+    model at fp32 precision; the convergence tests need real fp64 throughout."""
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.forward = types.MethodType(_rmsnorm_fp64, module)
+    return model
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def tiny_lm64(request, tokenizer):
+    from mist_core.models import wrap_model
+
+    model = full_precision_norms(make_model(request.param, len(tokenizer), dtype=torch.float64))
+    return wrap_model(model, tokenizer, f"tiny-{request.param}-fp64")
+
+
+@pytest.fixture
+def examples():
+    from mist_core import Example
+
+    return [
+        Example("Janet has 16 eggs and eats 3. How many are left?",
+                "She has 16 eggs. She eats 3, so 16 - 3 = 13 eggs are left.", "13", id="a"),
+        Example("Tom runs 5 miles a day. How far in 7 days?",
+                "Each day is 5 miles. Over 7 days that is 5 * 7 = 35 miles.", "35", id="b"),
+        Example("What is 2x + 1 when x = 2?", "If x = 2 then 2x + 1 = 5.", "5", id="c"),
+    ]

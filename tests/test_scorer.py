@@ -1,0 +1,115 @@
+import numpy as np
+import pytest
+import torch
+
+from mist_core import Example, MistScorer, get_scorer
+from reference import first_order
+
+FIELDS = ["necessity_per_layer", "sufficiency_per_layer", "layer_weights", "necessity",
+          "sufficiency", "scores", "log_likelihood", "nochain_log_likelihood"]
+
+
+def test_first_order_equals_plain_autograd_fp64(tiny_lm64, examples):
+    scorer = MistScorer(tiny_lm64, alpha=0.6)
+    results = scorer.score(examples)
+    for ex, got in zip(examples, results):
+        ref = first_order(tiny_lm64, scorer.encode(ex))
+        for name in FIELDS:
+            np.testing.assert_allclose(getattr(got, name), ref[name], rtol=1e-5, atol=1e-9,
+                                       err_msg=name)
+        assert np.abs(got.necessity_per_layer).max() > 1e-4  # the test compares real signal
+
+
+def test_first_order_equals_plain_autograd_fp32(tiny_lm, examples):
+    scorer = MistScorer(tiny_lm)
+    for ex, got in zip(examples, scorer.score(examples)):
+        ref = first_order(tiny_lm, scorer.encode(ex))
+        for name in ["necessity_per_layer", "sufficiency_per_layer", "layer_weights"]:
+            scale = np.abs(ref[name]).max()
+            np.testing.assert_allclose(getattr(got, name), ref[name], rtol=1e-4,
+                                       atol=1e-5 * scale, err_msg=name)
+
+
+def test_alpha_weights_the_axes(tiny_lm64, examples):
+    both = MistScorer(tiny_lm64, alpha=0.25).score(examples[:1])[0]
+    nec = MistScorer(tiny_lm64, axes=["necessity"]).score(examples[:1])[0]
+    suf = MistScorer(tiny_lm64, axes=["sufficiency"]).score(examples[:1])[0]
+    np.testing.assert_allclose(both.scores, 0.25 * nec.scores + 0.75 * suf.scores, atol=1e-10)
+    np.testing.assert_allclose(nec.necessity, both.necessity, rtol=1e-10)
+    assert nec.sufficiency is None and suf.necessity is None
+    assert nec.method == "necessity" and suf.method == "sufficiency" and both.method == "mist"
+    np.testing.assert_allclose(nec.scores.mean(), 0, atol=1e-9)
+    np.testing.assert_allclose(nec.scores.std(), 1, atol=1e-9)
+
+
+def test_layer_restriction_keeps_the_selected_rows(tiny_lm64, examples):
+    full = MistScorer(tiny_lm64).score(examples[:1])[0]
+    part = MistScorer(tiny_lm64, layers=[2, 4]).score(examples[:1])[0]
+    assert list(part.layers) == [2, 4]
+    np.testing.assert_allclose(part.necessity_per_layer, full.necessity_per_layer[[1, 3]], rtol=1e-10)
+    np.testing.assert_allclose(part.sufficiency_per_layer, full.sufficiency_per_layer[[1, 3]], rtol=1e-10)
+    np.testing.assert_allclose(part.layer_weights, full.layer_weights[[1, 3]], rtol=1e-10)
+    w = full.layer_weights[[1, 3]]
+    np.testing.assert_allclose(part.necessity, (w[:, None] * np.abs(full.necessity_per_layer[[1, 3]])).sum(0),
+                               rtol=1e-10)
+    with pytest.raises(ValueError):
+        MistScorer(tiny_lm64, layers=[0])
+
+
+@pytest.mark.parametrize("wide", [True, False], ids=["fp64", "fp32"])
+def test_scores_do_not_depend_on_the_batch(tiny_lm, tiny_lm64, examples, wide):
+    """Padding and masks are exact: in fp64 alone and batched agree to rounding; in fp32
+    what differs is only the GEMM summation order of another batch shape."""
+    lm = tiny_lm64 if wide else tiny_lm
+    lengths = {len(MistScorer(lm).encode(e).source_ids) for e in examples}
+    assert len(lengths) > 1  # the batch is really padded
+    alone = [MistScorer(lm).score([ex])[0] for ex in examples]
+    together = MistScorer(lm, max_batch=8).score(examples)
+    for a, b in zip(alone, together):
+        assert a.id == b.id
+        for name in FIELDS:
+            want = getattr(a, name)
+            if wide:
+                np.testing.assert_allclose(getattr(b, name), want, rtol=1e-10, atol=1e-12, err_msg=name)
+            elif name == "scores":  # z-scores of log|necessity|: O(1) values
+                np.testing.assert_allclose(getattr(b, name), want, atol=1e-4, err_msg=name)
+            else:
+                np.testing.assert_allclose(getattr(b, name), want, rtol=1e-5,
+                                           atol=1e-5 * np.abs(want).max(), err_msg=name)
+
+
+def test_results_come_back_in_input_order(tiny_lm, examples):
+    order = [examples[2], examples[0], examples[1]]
+    got = MistScorer(tiny_lm, max_batch=2).score(order)
+    assert [g.id for g in got] == ["c", "a", "b"]
+
+
+def test_no_parameter_gradients_and_logits_only_at_answer(tiny_lm, examples):
+    rows_seen = []
+    handle = tiny_lm.lm_head.register_forward_hook(lambda m, a, o: rows_seen.append(a[0].shape))
+    try:
+        results = MistScorer(tiny_lm, max_batch=8).score(examples)
+    finally:
+        handle.remove()
+    assert all(p.grad is None and not p.requires_grad for p in tiny_lm.model.parameters())
+    answer_tokens = sum(r.answer_stop - r.answer_start for r in results)
+    # one source and one no-chain pass, each computing logits for the answer tokens only
+    assert [s[0] for s in rows_seen] == [answer_tokens, answer_tokens]
+
+
+def test_scored_chain_spans(tiny_lm, examples):
+    [s] = MistScorer(tiny_lm).score(examples[:1])
+    tok = tiny_lm.tokenizer
+    T = len(s.scores)
+    assert s.necessity_per_layer.shape == s.sufficiency_per_layer.shape == (tiny_lm.n_layers, T)
+    assert tok.decode(s.chain_ids) == examples[0].cot
+    assert tok.decode(s.source_ids[s.answer_start:s.answer_stop]).strip() == "13"
+    assert tok.decode(s.target_ids[s.target_final + 1:]).strip() == "13"
+    np.testing.assert_array_equal(s.source_ids[s.answer_start:s.answer_stop], s.target_ids[s.target_final + 1:])
+    assert np.isfinite(s.scores).all()
+
+
+def test_get_scorer_rejects_unknown_names(tiny_lm):
+    with pytest.raises(ValueError, match="unknown method"):
+        get_scorer("nope", tiny_lm)
+    assert isinstance(get_scorer("mist", tiny_lm, alpha=0.3), MistScorer)
