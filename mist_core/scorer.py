@@ -10,7 +10,7 @@ import torch
 from .examples import Example
 from .models import LM
 from .templates import Encoded, get_template
-from .tracing import length_batches, pad, run_base, span_logprobs, trace, wide
+from .tracing import Prefix, length_batches, span_logprobs, trace, wide
 
 AXES = ("necessity", "sufficiency")
 
@@ -88,6 +88,12 @@ class Scorer:
         raise NotImplementedError
 
 
+def shared_prefix(enc: Encoded) -> int:
+    """Leading tokens both passes can share: the common prefix, ending before the chain and
+    before the no-chain final position (which needs its own gradient)."""
+    return max(0, min(enc.prefix_len, enc.chain_start, enc.target_final))
+
+
 def zscore(v: np.ndarray) -> np.ndarray:
     sd = v.std()
     if not np.isfinite(sd) or sd < 1e-12 * max(1.0, float(np.abs(v).max())):
@@ -134,44 +140,50 @@ class MistScorer(Scorer):
         if self.axes != AXES:
             self.method = self.axes[0]
 
-    def _source_pass(self, batch: list[Encoded]):
-        """h^(l) at every position and ∇_{h^(l)} log p(a|x,c), for the selected layers."""
+    def _source_pass(self, batch: list[Encoded], prefix: Prefix):
+        """h^(l) at the continuation's positions and ∇_{h^(l)} log p(a|x,c), selected layers."""
         lm = self.lm
-        ids, mask = pad([e.source_ids for e in batch], lm.pad_id, lm.device)
+        k = prefix.lengths
         need_grad = "necessity" in self.axes
         with trace(lm, grad=need_grad) as tr:
-            hidden = run_base(lm, ids, mask).last_hidden_state
-            lps = span_logprobs(lm, hidden, [(e.answer_start, e.answer_stop) for e in batch], ids)
+            ids, out = prefix.continue_with(lm, [e.source_ids[n:] for e, n in zip(batch, k)],
+                                            keep="sufficiency" in self.axes)
+            spans = [(e.answer_start - n, e.answer_stop - n) for e, n in zip(batch, k)]
+            lps = span_logprobs(lm, out.last_hidden_state, spans, ids)
             grads = None
             if need_grad:
                 grads = torch.autograd.grad(torch.stack([lp.sum() for lp in lps]).sum(),
                                             [tr.states[l] for l in self.layers])
         return [s.detach() for s in tr.states], grads, [float(lp.detach().sum()) for lp in lps]
 
-    def _target_pass(self, batch: list[Encoded]):
+    def _target_pass(self, batch: list[Encoded], prefix: Prefix):
         """∇ log p(a|x,∅) and h at the no-chain final position f, for the selected layers."""
         lm = self.lm
-        ids, mask = pad([e.target_ids for e in batch], lm.pad_id, lm.device)
-        spans = [(e.target_final + 1, len(e.target_ids)) for e in batch]
+        k = prefix.lengths
         with trace(lm, grad=True) as tr:
-            hidden = run_base(lm, ids, mask).last_hidden_state
-            lps = span_logprobs(lm, hidden, spans, ids)
+            ids, out = prefix.continue_with(lm, [e.target_ids[n:] for e, n in zip(batch, k)])
+            spans = [(e.target_final + 1 - n, len(e.target_ids) - n) for e, n in zip(batch, k)]
+            lps = span_logprobs(lm, out.last_hidden_state, spans, ids)
             grads = torch.autograd.grad(torch.stack([lp.sum() for lp in lps]).sum(),
                                         [tr.states[l] for l in self.layers])
         rows = torch.arange(len(batch), device=lm.device)
-        final = torch.tensor([e.target_final for e in batch], device=lm.device)
+        final = torch.tensor([e.target_final - n for e, n in zip(batch, k)], device=lm.device)
         g_f = torch.stack([g[rows, final] for g in grads], 1)  # [B, Lsel, d]
         h_f = torch.stack([tr.states[l].detach()[rows, final] for l in self.layers], 1)
         return g_f, h_f, [float(lp.detach().sum()) for lp in lps]
 
     def _score_batch(self, batch: list[Encoded]) -> list[ScoredChain]:
-        states, grads, ll_src = self._source_pass(batch)
+        # The question prefix is the same in both inputs and, under causal attention, nothing
+        # after it changes it: its keys and values are computed once, without gradients.
+        prefix = Prefix.run(self.lm, [e.source_ids[:shared_prefix(e)] for e in batch])
+        states, grads, ll_src = self._source_pass(batch, prefix)
         if "sufficiency" in self.axes:
-            g_f, h_f, ll_tgt = self._target_pass(batch)
+            g_f, h_f, ll_tgt = self._target_pass(batch, prefix)
         sel = torch.tensor(self.layers, device=self.lm.device)
         out = []
         for b, enc in enumerate(batch):
-            cs, ce = enc.chain_start, enc.chain_stop
+            cs = enc.chain_start - prefix.lengths[b]
+            ce = cs + enc.chain_len
             H = wide(torch.stack([s[b, cs:ce] for s in states]))  # [L+1, T, d], h^(0..L)
             w_u = wide(self.lm.unembedding[int(enc.source_ids[enc.answer_start])])
             proj = H @ w_u  # [L+1, T]

@@ -5,6 +5,8 @@ and h^(l) the output of block l. When gradients are wanted, h^(0) is re-made a l
 requires grad, so every later h^(l) carries a graph while the parameters need none."""
 from __future__ import annotations
 
+import copy
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -80,7 +82,47 @@ def pad(seqs: list[np.ndarray], pad_id: int, device) -> tuple[torch.Tensor, torc
 def run_base(lm: LM, ids: torch.Tensor, mask: torch.Tensor, **kwargs):
     """The decoder without its LM head: `.last_hidden_state` is the final-norm output
     [B, S, d]; logits are left to the caller, who computes them only where needed."""
-    return lm.base(input_ids=ids, attention_mask=mask, use_cache=False, **kwargs)
+    kwargs.setdefault("use_cache", False)
+    return lm.base(input_ids=ids, attention_mask=mask, **kwargs)
+
+
+def _cache_names(lm: LM) -> str:
+    # transformers 5 renamed `past_key_values` to `cache`
+    params = inspect.signature(lm.base.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@dataclass
+class Prefix:
+    """Key/value states of a batch of right-padded prefixes, computed once without
+    gradients and shared by the passes that continue them."""
+
+    cache: object
+    lengths: list[int]
+    mask: torch.Tensor
+
+    @classmethod
+    def run(cls, lm: LM, prefixes: list[np.ndarray]) -> "Prefix":
+        lengths = [len(p) for p in prefixes]
+        if max(lengths) == 0:
+            return cls(None, lengths, torch.zeros(len(prefixes), 0, dtype=torch.int64, device=lm.device))
+        ids, mask = pad(prefixes, lm.pad_id, lm.device)
+        with torch.no_grad():
+            out = run_base(lm, ids, mask, use_cache=True)
+        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        return cls(cache, lengths, mask)
+
+    def continue_with(self, lm: LM, seqs: list[np.ndarray], keep: bool = False):
+        """Run the continuations; `keep` leaves this prefix's cache untouched (the pass
+        appends to the cache it is given) so that another pass can continue it too."""
+        ids, mask = pad(seqs, lm.pad_id, lm.device)
+        start = torch.tensor(self.lengths, device=lm.device)[:, None]
+        positions = start + torch.arange(ids.shape[1], device=lm.device)[None]
+        kwargs = {"position_ids": positions}
+        if self.cache is not None:
+            kwargs[_cache_names(lm)] = copy.deepcopy(self.cache) if keep else self.cache
+            kwargs["use_cache"] = True
+        return ids, run_base(lm, ids, torch.cat([self.mask, mask], 1), **kwargs)
 
 
 def span_logprobs(lm: LM, hidden: torch.Tensor, spans: list[tuple[int, int]],
