@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
@@ -65,9 +66,14 @@ class Scorer:
     def __init__(self, lm: LM, template: str = "auto", max_tokens: int = 4096,
                  max_batch: int = 32):
         self.lm = lm
-        self.template = get_template(template, lm.tokenizer, lm.max_length)
+        self.template_name = template
         self.max_tokens = max_tokens
         self.max_batch = max_batch
+
+    @cached_property
+    def template(self):
+        # built on first use: a scorer fed pre-encoded inputs needs no tokenizer
+        return get_template(self.template_name, self.lm.tokenizer, self.lm.max_length)
 
     def encode(self, ex: Example) -> Encoded:
         """Tokenise one example; raises InvalidExample for what cannot be scored."""
@@ -78,11 +84,15 @@ class Scorer:
 
     def score_encoded(self, encoded: Sequence[Encoded]) -> list[ScoredChain]:
         out: list[ScoredChain | None] = [None] * len(encoded)
-        lengths = [len(e.source_ids) for e in encoded]
+        lengths = [self.batch_length(e) for e in encoded]
         for idx in length_batches(lengths, self.max_tokens, self.max_batch):
             for i, res in zip(idx, self._score_batch([encoded[i] for i in idx])):
                 out[i] = res
         return out  # type: ignore[return-value]
+
+    def batch_length(self, enc: Encoded) -> int:
+        """The length batches are formed by: what the scorer's passes actually run over."""
+        return len(enc.source_ids)
 
     def _score_batch(self, batch: list[Encoded]) -> list[ScoredChain]:
         raise NotImplementedError
@@ -139,6 +149,9 @@ class MistScorer(Scorer):
             raise ValueError(f"layers must be block numbers in 1..{L}, not {layers}")
         if self.axes != AXES:
             self.method = self.axes[0]
+
+    def batch_length(self, enc: Encoded) -> int:
+        return len(enc.source_ids) - shared_prefix(enc)
 
     def _source_pass(self, batch: list[Encoded], prefix: Prefix):
         """h^(l) at the continuation's positions and ∇_{h^(l)} log p(a|x,c), selected layers."""

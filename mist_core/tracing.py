@@ -103,14 +103,34 @@ class Prefix:
 
     @classmethod
     def run(cls, lm: LM, prefixes: list[np.ndarray]) -> "Prefix":
+        """Prefixes are run in groups of similar length (padding wastes little), then their
+        keys and values are laid side by side, right-padded, in one cache for the batch."""
         lengths = [len(p) for p in prefixes]
-        if max(lengths) == 0:
-            return cls(None, lengths, torch.zeros(len(prefixes), 0, dtype=torch.int64, device=lm.device))
-        ids, mask = pad(prefixes, lm.pad_id, lm.device)
-        with torch.no_grad():
-            out = run_base(lm, ids, mask, use_cache=True)
-        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-        return cls(cache, lengths, mask)
+        width = max(lengths)
+        mask = torch.zeros(len(prefixes), width, dtype=torch.int64, device=lm.device)
+        if width == 0:
+            return cls(None, lengths, mask)
+        keys = values = None
+        for group in similar_lengths(lengths):
+            n = max(lengths[i] for i in group)
+            if n == 0:
+                continue
+            ids, gmask = pad([prefixes[i] for i in group], lm.pad_id, lm.device)
+            with torch.no_grad():
+                out = run_base(lm, ids, gmask, use_cache=True)
+            layers = (getattr(out, "cache", None) or out.past_key_values).layers
+            if keys is None:
+                keys = [layer.keys.new_zeros((len(prefixes), layer.keys.shape[1], width,
+                                              layer.keys.shape[3])) for layer in layers]
+                values = [torch.zeros_like(k) for k in keys]
+            rows = torch.tensor(group, device=lm.device)
+            mask[rows, :n] = gmask
+            for l, layer in enumerate(layers):
+                keys[l][rows, :, :n] = layer.keys
+                values[l][rows, :, :n] = layer.values
+        from transformers import DynamicCache
+
+        return cls(DynamicCache(list(zip(keys, values)), config=lm.model.config), lengths, mask)
 
     def continue_with(self, lm: LM, seqs: list[np.ndarray], keep: bool = False):
         """Run the continuations; `keep` leaves this prefix's cache untouched (the pass
@@ -138,6 +158,20 @@ def span_logprobs(lm: LM, hidden: torch.Tensor, spans: list[tuple[int, int]],
     logits = wide(lm.lm_head(hidden[rows_t, pos_t]))
     lp = torch.log_softmax(logits, dim=-1).gather(1, ids[rows_t, pos_t + 1][:, None])[:, 0]
     return list(torch.split(lp, [stop - start for start, stop in spans]))
+
+
+def similar_lengths(lengths: list[int], waste: float = 0.05) -> list[list[int]]:
+    """Indices grouped by sorted length so that padding stays within `waste` of each
+    group's positions."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups, cur, total = [], [], 0
+    for i in order:
+        if cur and lengths[i] * (len(cur) + 1) - (total + lengths[i]) > waste * lengths[i] * (len(cur) + 1):
+            groups.append(cur)
+            cur, total = [], 0
+        cur.append(i)
+        total += lengths[i]
+    return groups + [cur]
 
 
 def length_batches(lengths: list[int], max_tokens: int, max_batch: int) -> list[list[int]]:

@@ -113,3 +113,22 @@ def test_get_scorer_rejects_unknown_names(tiny_lm):
     with pytest.raises(ValueError, match="unknown method"):
         get_scorer("nope", tiny_lm)
     assert isinstance(get_scorer("mist", tiny_lm, alpha=0.3), MistScorer)
+
+
+def test_batches_mixing_shared_prefixes_with_none(tiny_lm64):
+    """A row whose inputs share no prefix (shared length 0) batched with rows that do."""
+    from dataclasses import replace
+
+    from pipelines.bench import synthetic_encoded
+
+    encs = synthetic_encoded(3, 12, vocab=tiny_lm64.model.config.vocab_size, seed=3)
+    e = encs[0]
+    q = e.chain_start
+    encs[0] = replace(e, source_ids=e.source_ids[q:], chain_start=0, answer_start=e.answer_start - q,
+                      target_ids=e.target_ids[q:], target_final=e.target_final - q)
+    scorer = MistScorer(tiny_lm64, max_batch=8)
+    together = scorer.score_encoded(encs)
+    for enc, b in zip(encs, together):
+        [a] = scorer.score_encoded([enc])
+        for name in FIELDS:
+            np.testing.assert_allclose(getattr(b, name), getattr(a, name), rtol=1e-9, atol=1e-12, err_msg=name)

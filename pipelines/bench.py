@@ -1,0 +1,277 @@
+"""Benchmark: how close MIST scoring runs to the cost of a plain forward pass.
+
+    python -m pipelines.bench                       # SmolLM2-135M-Instruct on 64 GSM8K test chains
+    python -m pipelines.bench --smoke               # seconds: a tiny random model, CI's version
+    python -m pipelines.bench --model random:qwen2.5-1.5b --synthetic 512 --chain-tokens 350 \
+        --device cuda --dtype bfloat16              # the GPU benchmark (see benchmarks/gpu.sh)
+
+All figures are ratios or rates measured in one run (medians over --repeats), printed as a
+table and written as JSON (--json)."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mist_core import Example, MistScorer, get_adapter, load_model, prune, wrap_model
+from mist_core.exact import exact_scores_encoded
+from mist_core.scorer import shared_prefix
+from mist_core.templates import Encoded
+from mist_core.tracing import length_batches, pad
+
+ROOT = Path(__file__).resolve().parents[1]
+GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+# Shapes of public models, for speed measurements with random weights.
+SHAPES = {
+    "qwen2.5-1.5b": dict(arch="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936),
+    "tiny": dict(arch="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
+}
+PEAK_FLOPS = {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}  # H200 SXM, dense
+
+
+def random_model(shape: str, dtype: str, device: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(SHAPES[shape])
+    config = AutoConfig.for_model(spec.pop("arch"), max_position_embeddings=4096,
+                                  tie_word_embeddings=False, **spec)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype),
+                                                 attn_implementation="sdpa")
+    return wrap_model(model, None, f"random:{shape}")
+
+
+def synthetic_encoded(n: int, chain_tokens: int, vocab: int, seed: int = 0) -> list[Encoded]:
+    """Chains of random tokens shaped like a chat prompt: a question prefix, the chain, an
+    answer line. Speed does not depend on which tokens they are."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        q, t = int(rng.integers(60, 140)), max(1, int(rng.normal(chain_tokens, chain_tokens / 5)))
+        prefix, chain = rng.integers(0, vocab, q), rng.integers(0, vocab, t)
+        lead, answer = rng.integers(0, vocab, 4), rng.integers(0, vocab, int(rng.integers(1, 4)))
+        out.append(Encoded(example=Example("q", "c", "a", id=str(i)),
+                           source_ids=np.concatenate([prefix, chain, lead, answer]),
+                           chain_start=q, chain_len=t, answer_start=q + t + 4,
+                           target_ids=np.concatenate([prefix, lead, answer]),
+                           target_final=q + 3, chain_offsets=np.zeros((t, 2), dtype=np.int64)))
+    return out
+
+
+def gsm8k_encoded(scorer: MistScorer, n: int, path: Path = GSM8K) -> list[Encoded]:
+    adapt = get_adapter("gsm8k")
+    with open(path) as f:
+        rows = [json.loads(line) for _, line in zip(range(n), f)]
+    return [scorer.encode(adapt(r)) for r in rows]
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, repeats: int, device, warmup=None) -> float:
+    """Median seconds of `repeats` runs, after a warm-up (`fn` itself unless given)."""
+    (warmup or fn)()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def plain_forward(lm, encoded, batches, head: bool):
+    """One forward pass of the full inputs over the scorer's batches (`head`: with the
+    LM head over every position, as `model(...)` computes it)."""
+    with torch.no_grad():
+        for idx in batches:
+            ids, mask = pad([encoded[i].source_ids for i in idx], lm.pad_id, lm.device)
+            (lm.model if head else lm.base)(input_ids=ids, attention_mask=mask, use_cache=False)
+
+
+class PositionCounter:
+    """Counts the positions the blocks compute while active (padding included)."""
+
+    def __init__(self, lm):
+        self.lm, self.computed = lm, 0
+
+    def __enter__(self):
+        def count(module, args, kwargs):
+            self.computed += (args[0] if args else kwargs["hidden_states"]).shape[:2].numel()
+        self.hook = self.lm.blocks[0].register_forward_pre_hook(count, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc):
+        self.hook.remove()
+
+
+def padding_share(computed: int, encoded) -> float:
+    """Padded positions over all positions the scorer's blocks computed."""
+    real = sum(len(e.source_ids) + len(e.target_ids) - shared_prefix(e) for e in encoded)
+    return 1 - real / computed
+
+
+def model_flops(lm, encoded) -> float:
+    """Useful FLOPs of one scoring: 2N per token forward, 2N more for the activation-only
+    backward, N = non-embedding parameters; prefix forward only."""
+    n = sum(p.numel() for name, p in lm.model.named_parameters() if "embed" not in name and "lm_head" not in name)
+    fwd = sum(shared_prefix(e) for e in encoded)
+    both = sum(len(e.source_ids) + len(e.target_ids) - 2 * shared_prefix(e) for e in encoded)
+    return 2 * n * fwd + 4 * n * both
+
+
+def top_agreement(a: np.ndarray, b: np.ndarray, gamma: float) -> float:
+    k = math.ceil(gamma * len(a) - 1e-9)
+    return len(set(np.argsort(-a, kind="stable")[:k]) & set(np.argsort(-b, kind="stable")[:k])) / k
+
+
+def peak_memory_mb(device) -> float:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def bench(args) -> dict:
+    torch.set_num_threads(args.threads) if args.threads else None
+    if args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if args.model.startswith("random:"):
+        lm = random_model(args.model.split(":", 1)[1], args.dtype, args.device)
+    else:
+        lm = load_model(args.model, dtype=args.dtype, device=args.device)
+    scorer = MistScorer(lm, max_tokens=args.batch_tokens, max_batch=args.batch_size)
+    if args.synthetic:
+        encoded = synthetic_encoded(args.synthetic, args.chain_tokens, lm.model.config.vocab_size)
+    else:
+        encoded = gsm8k_encoded(scorer, args.chains, Path(args.corpus))
+    batches = length_batches([scorer.batch_length(e) for e in encoded], scorer.max_tokens, scorer.max_batch)
+    warm = batches[:1]
+    t_fwd = timed(lambda: plain_forward(lm, encoded, batches, head=True), args.repeats, args.device,
+                  lambda: plain_forward(lm, encoded, warm, head=True))
+    t_body = timed(lambda: plain_forward(lm, encoded, batches, head=False), args.repeats, args.device,
+                   lambda: plain_forward(lm, encoded, warm, head=False))
+    scorer.score_encoded([encoded[i] for i in warm[0]])  # warm-up, outside the count
+    with PositionCounter(lm) as counter:
+        t_score = timed(lambda: scorer.score_encoded(encoded), args.repeats, args.device,
+                        warmup=lambda: None)
+    tokens = sum(len(e.source_ids) for e in encoded)
+    result = {
+        "model": lm.name, "device": args.device, "dtype": args.dtype, "chains": len(encoded),
+        "mean_tokens": tokens / len(encoded), "mean_chain_tokens": float(np.mean([e.chain_len for e in encoded])),
+        "batch_tokens": args.batch_tokens, "repeats": args.repeats,
+        "forward_s": t_fwd, "forward_no_head_s": t_body, "score_s": t_score,
+        "forward_equivalents": t_score / t_fwd, "forward_equivalents_no_head": t_score / t_body,
+        "chains_per_s": len(encoded) / t_score, "tokens_per_s": tokens / t_score,
+        "padding_share": padding_share(counter.computed // args.repeats, encoded),
+        "peak_memory_mb": peak_memory_mb(args.device),
+    }
+    if args.device.startswith("cuda"):
+        result["mfu"] = model_flops(lm, encoded) / t_score / PEAK_FLOPS[args.dtype]
+    if args.exact_chains:
+        short = sorted(encoded, key=lambda e: e.chain_len)[: args.exact_chains]
+        layers = list(range(1, lm.n_layers + 1))[:: args.exact_layer_stride]
+        t_first = timed(lambda: [scorer.score_encoded([e]) for e in short], 1, args.device)
+        start = time.perf_counter()
+        for e in short:
+            exact_scores_encoded(lm, e, layers=layers)
+        t_exact = (time.perf_counter() - start) * lm.n_layers / len(layers)
+        result.update(exact_chains=len(short), exact_layers_timed=len(layers),
+                      exact_over_first_order=t_exact / t_first)
+    if args.agreement and lm.tokenizer is not None:
+        result["agreement"] = agreement(args, encoded[: args.agreement])
+    return result
+
+
+def agreement(args, encoded) -> dict:
+    """Top-γ agreement of lower precisions with fp32 on the same chains (keep an option only
+    where agreement at γ = 0.5 is at least 0.95)."""
+    ref = MistScorer(load_model(args.model, dtype="float32", device=args.device)).score_encoded(encoded)
+    out = {}
+    for dtype in ("bfloat16",):
+        other = MistScorer(load_model(args.model, dtype=dtype, device=args.device)).score_encoded(encoded)
+        out[dtype] = {str(g): float(np.mean([top_agreement(a.scores, b.scores, g) for a, b in zip(ref, other)]))
+                      for g in (0.3, 0.5)}
+    return out
+
+
+def table(r: dict) -> str:
+    rows = [("model", r["model"]), ("device / dtype", f'{r["device"]} / {r["dtype"]}'),
+            ("chains (mean tokens, chain tokens)", f'{r["chains"]} ({r["mean_tokens"]:.0f}, {r["mean_chain_tokens"]:.0f})'),
+            ("MIST scoring, forward-equivalents", f'{r["forward_equivalents"]:.2f}'),
+            ("  ... against a forward without the LM head", f'{r["forward_equivalents_no_head"]:.2f}'),
+            ("chains/s", f'{r["chains_per_s"]:.2f}'), ("tokens/s", f'{r["tokens_per_s"]:.0f}'),
+            ("padding share of computed positions", f'{r["padding_share"]:.1%}'),
+            ("peak memory (MiB)", f'{r["peak_memory_mb"]:.0f}')]
+    if "mfu" in r:
+        rows.append(("model FLOPs utilisation", f'{r["mfu"]:.1%}'))
+    if "exact_over_first_order" in r:
+        rows.append(("exact ÷ first-order time", f'{r["exact_over_first_order"]:.0f}'))
+    if "pipeline_over_bare" in r:
+        rows.append(("Ray job ÷ bare loop throughput", f'{r["pipeline_over_bare"]:.2f}'))
+    for dtype, agr in r.get("agreement", {}).items():
+        rows.append((f"top-γ agreement {dtype} vs fp32 (γ=0.3, 0.5)", f'{agr["0.3"]:.3f}, {agr["0.5"]:.3f}'))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(prog="python -m pipelines.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="a model spec, or random:<shape> with shape in %s" % sorted(SHAPES))
+    p.add_argument("--corpus", default=str(GSM8K), help="GSM8K-format JSONL (default: ../shared GSM8K test)")
+    p.add_argument("--chains", type=int, default=256,
+                   help="corpus chains to score; padding falls as batches can be bucketed finer")
+    p.add_argument("--synthetic", type=int, default=0, help="use N random-token chains instead of a corpus")
+    p.add_argument("--chain-tokens", type=int, default=350, help="mean chain length of synthetic chains")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--tf32", action="store_true", help="allow TF32 matmuls (Ampere and later)")
+    p.add_argument("--batch-tokens", type=int, default=4096)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--exact-chains", type=int, default=2, help="chains timed with exact interventions")
+    p.add_argument("--exact-layer-stride", type=int, default=6,
+                   help="time exact interventions on every n-th layer and scale to all layers")
+    p.add_argument("--agreement", type=int, default=0, help="chains for the bf16-vs-fp32 agreement")
+    p.add_argument("--pipeline", action="store_true", help="also measure the Ray job against a bare loop")
+    p.add_argument("--smoke", action="store_true", help="seconds-long run on a tiny random model")
+    p.add_argument("--json", help="write the results here too")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.model, args.synthetic, args.chain_tokens, args.repeats = "random:tiny", 16, 40, 1
+        args.exact_chains, args.exact_layer_stride = 1, 2
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    result = bench(args)
+    if args.pipeline:
+        from .bench_pipeline import pipeline_over_bare
+
+        result.update(pipeline_over_bare(args))
+    print(table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+import json
+
+from mist_core.tracing import length_batches, similar_lengths
+from pipelines import bench
+
+
+def test_bench_smoke(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert bench.main(["--smoke", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["chains"] == 16 and r["forward_equivalents"] > 0 and r["chains_per_s"] > 0
+    assert 0 <= r["padding_share"] < 0.5
+    assert r["exact_over_first_order"] > 1
+    assert "forward-equivalents" in capsys.readouterr().out
+
+
+def test_batching_helpers():
+    lengths = [100, 10, 12, 101, 50, 11]
+    batches = length_batches(lengths, max_tokens=240, max_batch=8)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    for b in batches:
+        assert len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 240
+    groups = similar_lengths(lengths, waste=0.05)
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    for g in groups:
+        width = max(lengths[i] for i in g)
+        assert width * len(g) - sum(lengths[i] for i in g) <= 0.05 * width * len(g)
+
+
+def test_synthetic_chains_are_consistent():
+    for e in bench.synthetic_encoded(5, 30, vocab=100):
+        assert e.answer_stop == len(e.source_ids) and e.chain_stop + 4 == e.answer_start
+        assert list(e.target_ids[e.target_final + 1:]) == list(e.source_ids[e.answer_start:])
+        assert list(e.target_ids[:e.chain_start]) == list(e.source_ids[:e.chain_start])
