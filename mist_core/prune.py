@@ -52,19 +52,25 @@ def token_pieces(cot: str, offsets: np.ndarray) -> list[str]:
 
 def word_units(cot: str, offsets: np.ndarray) -> np.ndarray:
     """The word each token belongs to, by character offsets: a token goes to the word that
-    holds its first non-space character; a whitespace-only token is a unit of its own."""
+    holds its first non-space character; a whitespace-only token goes with the word after it
+    (so dropping a word drops the space before it and never fuses its neighbours), or is a
+    unit of its own at the end of the chain."""
     words = [m.span() for m in _WORD.finditer(cot)]
     starts = np.array([w[0] for w in words] + [len(cot) + 1])
     unit = np.empty(len(offsets), dtype=np.int64)
-    next_free = len(words)
     for i, (start, stop) in enumerate(offsets):
         text = cot[start:stop]
-        lead = len(text) - len(text.lstrip())
-        if not text.strip():
-            unit[i] = next_free
-            next_free += 1
-            continue
-        unit[i] = int(np.searchsorted(starts, start + lead, side="right") - 1)
+        if text.strip():
+            lead = len(text) - len(text.lstrip())
+            unit[i] = int(np.searchsorted(starts, start + lead, side="right") - 1)
+        else:
+            unit[i] = -1
+    following = len(words)  # past the last word: whitespace tokens there form one unit
+    for i in range(len(offsets) - 1, -1, -1):
+        if unit[i] < 0:
+            unit[i] = following
+        else:
+            following = unit[i]
     return unit
 
 

@@ -62,7 +62,8 @@ def test_word_units_group_subword_pieces():
     offsets = np.array([[0, 2], [2, 9], [9, 13], [13, 17], [17, 19], [19, 21], [21, 23]])
     units = word_units(cot, offsets)
     assert units[1] == units[2] and units[3] == units[4]
-    assert len(set(units.tolist())) == 5
+    assert units[5] == units[6]  # a whitespace-only token goes with the next word
+    assert len(set(units.tolist())) == 4
     assert "".join(token_pieces(cot, offsets)) == cot
 
 
@@ -76,6 +77,15 @@ def test_word_score_is_the_mean_of_its_pieces():
     assert c.text == "aa" and c.kept.tolist() == [True, False, False]
     [c] = prune(ex, scored, budgets=[0.5], unit="token")  # by token: " bb" and "aa"
     assert c.text == "aa bb"
+
+
+def test_dropping_a_word_never_fuses_its_neighbours():
+    ex = Example("q?", "has 40 - 5", "35")
+    # SmolLM2-style pieces: "has", " ", "40", " -", " ", "5"
+    offsets = np.array([[0, 3], [3, 4], [4, 6], [6, 8], [8, 9], [9, 10]])
+    scored = SimpleNamespace(scores=np.array([1.0, 0.5, 0.9, -1.0, 0.5, 0.8]), chain_offsets=offsets)
+    [c] = prune(ex, scored, budgets=[0.8], unit="word")  # 5 of 6 tokens: all but " -"
+    assert c.text == "has 40 5"
 
 
 def test_keep_digits_forces_number_tokens():
