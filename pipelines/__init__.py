@@ -1,0 +1,1 @@
+"""The compression job (Ray Data) built on mist_core; entry point: pipelines.compress."""

@@ -1,0 +1,29 @@
+"""The `mist` console script: `mist compress …` runs the compression job."""
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: mist <command> [options]
+
+commands:
+  compress   score, prune and write compressed reasoning corpora (Ray Data job);
+             `mist compress --help` for its options, `mist compress` alone runs the demo
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE, end="")
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "compress":
+        from .compress import main as compress
+
+        return compress(rest, prog="mist compress")
+    print(f"mist: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

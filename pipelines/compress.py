@@ -1,0 +1,378 @@
+"""The compression job: read -> validate and tokenize -> score -> prune -> write, streamed
+through Ray Data. `python -m pipelines.compress --help` explains the options.
+
+A run makes two passes over its input. The first, cheap one (read and validate, no model)
+counts the rows, finds ids that repeat or are already in the output, and fixes the types
+of the extra columns; the second does the work. The counts of the two are reconciled at the
+end, and the manifest is written only if they agree."""
+from __future__ import annotations
+
+import datetime as dt
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import sys
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import ray
+
+from mist_core.errors import MissingDependency, UnsupportedModel
+from mist_core.formats import (DATA_COLUMNS, budget_label, data_schema, fits, kinds_type,
+                               sft_budgets)
+
+from . import stages
+from .config import ConfigError, JobConfig, parse_args
+from .output import Existing, Output
+from .sink import OutputSink, WriteStats
+from .sources import Input, read_raw, resolve_inputs
+
+log = logging.getLogger("pipelines.compress")
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+TASK_MEMORY = 512 * 1024**2  # bytes per read/tokenize task: a tokenizer and a block of rows
+
+
+class AccountingError(RuntimeError):
+    """The counts of a run do not add up: rows were lost or duplicated."""
+
+
+@dataclass
+class Plan:
+    read: int
+    invalid: int  # rejected by validation already in the planning pass
+    done: int  # already in the output
+    duplicates: int
+    to_score: int
+    row_limits: dict[str, int] | None
+    dup_rows: frozenset
+    extras: pa.Schema
+    seconds: float
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def init_ray(cfg: JobConfig) -> None:
+    if ray.is_initialized():
+        return
+    address = cfg.address or os.environ.get("RAY_ADDRESS")
+    if address:  # a cluster (ray job submit sets RAY_ADDRESS for the job's driver)
+        ray.init(address=address)
+    else:  # a new local Ray for this run, never a cluster left running on this machine
+        path = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
+        ray.init(address="local", include_dashboard=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": path}})  # workers import this checkout
+
+
+def extras_schema(kinds: dict[str, set], existing: Existing) -> pa.Schema:
+    """The extra columns' types: from the value kinds seen in this input, and, on refresh,
+    the types already in data/ (a file of this run must not contradict an earlier one)."""
+    old = existing.schema
+    fields = []
+    for name in sorted(kinds):
+        type_ = kinds_type(kinds[name])
+        if old is not None and name in old.names:
+            if not fits(kinds[name], old.field(name).type):
+                raise ConfigError(
+                    f"extra column {name!r} holds {sorted(kinds[name] - {'null'})} values, but "
+                    f"the output has it as {old.field(name).type}; use --mode overwrite or "
+                    "another --output")
+            type_ = old.field(name).type
+        fields.append(pa.field(name, type_))
+    if old is not None:  # keep earlier extra columns in every new file too
+        fields += [f for f in old if f.name not in DATA_COLUMNS and f.name not in kinds]
+    return pa.schema(fields)
+
+
+def make_plan(inputs: list[Input], cfg: JobConfig, existing: Existing) -> Plan:
+    t = time.perf_counter()
+    ds = read_raw(inputs).map_batches(
+        stages.plan_batch, batch_format="pyarrow",
+        fn_kwargs={"adapter": cfg.adapter, "columns": cfg.columns})
+    tables = list(ds.iter_batches(batch_format="pyarrow", batch_size=None))
+    table = pa.concat_tables(tables) if tables else pa.table(
+        {"input": pa.array([], pa.int64()), "source": pa.array([], pa.string()),
+         "row": pa.array([], pa.int64()), "key": pa.array([], pa.string()),
+         "kinds": pa.array([], pa.string())})
+    # Input order: inputs as given, files by name, rows by number. --limit takes a prefix.
+    table = table.sort_by([("input", "ascending"), ("source", "ascending"), ("row", "ascending")])
+    row_limits = None
+    if cfg.limit is not None:
+        table = table.slice(0, cfg.limit)
+        row_limits = {}
+        for source, row in zip(table.column("source").to_pylist(), table.column("row").to_pylist()):
+            row_limits[source] = max(row, row_limits.get(source, 0))
+    seen, dups, kinds = set(), set(), defaultdict(set)
+    invalid = done = 0
+    for source, row, key, kind in zip(*(table.column(c).to_pylist()
+                                         for c in ("source", "row", "key", "kinds"))):
+        if key is None:
+            invalid += 1
+        elif key in existing.done_ids:
+            done += 1
+        elif key in seen:
+            dups.add((source, row))
+        else:
+            seen.add(key)
+            for name, k in json.loads(kind).items():
+                kinds[name].add(k)
+    return Plan(read=table.num_rows, invalid=invalid, done=done, duplicates=len(dups),
+                to_score=len(seen), row_limits=row_limits, dup_rows=frozenset(dups),
+                extras=extras_schema(kinds, existing), seconds=time.perf_counter() - t)
+
+
+def check_compatible(cfg: JobConfig, model_name: str, existing: Existing, out: Output) -> None:
+    """Refresh only adds rows made the same way as those already there."""
+    problems = []
+    if existing.methods and existing.methods != {cfg.method}:
+        problems.append(f"method {sorted(existing.methods)} vs {cfg.method}")
+    if existing.models and existing.models != {model_name}:
+        problems.append(f"model {sorted(existing.models)} vs {model_name}")
+    if existing.budgets and existing.budgets != set(cfg.budgets):
+        problems.append(f"budgets {sorted(existing.budgets)} vs {cfg.budgets}")
+    before = (existing.manifest or {}).get("config", {})
+    now = cfg.to_dict()
+    for key in ("adapter", "columns", "unit", "alpha", "keep_digits", "template", "dtype",
+                "sft_format", "sft_mix", "seed"):
+        if key in before and before[key] != now[key]:
+            problems.append(f"{key} {before[key]!r} vs {now[key]!r}")
+    if problems:
+        raise ConfigError(f"{out.display()} was made with other settings ({'; '.join(problems)}); "
+                          "refresh only adds rows made the same way: use --mode overwrite or "
+                          "another --output")
+
+
+def reconcile(cfg: JobConfig, plan: Plan, stats: WriteStats, existing: Existing,
+              totals: dict) -> None:
+    problems = []
+
+    def check(what: str, got, want) -> None:
+        if got != want:
+            problems.append(f"{what}: {got}, expected {want}")
+
+    check("rows that reached the writer (rows read)", stats.rows, plan.read)
+    check("scored + rejected + already done (rows read)",
+          stats.scored + stats.rejected + stats.skipped, plan.read)
+    check("rows already done", stats.skipped, plan.done)
+    if stats.rejected < plan.invalid + plan.duplicates:
+        problems.append(f"rejected {stats.rejected} < {plan.invalid + plan.duplicates} rows "
+                        "the planning pass found invalid or repeated")
+    for b in map(budget_label, cfg.budgets):
+        check(f"data rows written at budget {b} (rows scored)", stats.written[b], stats.scored)
+        check(f"data/ rows at budget {b}", totals["rows_per_budget"].get(b, 0),
+              existing.per_budget[b] + stats.written[b])
+    check("duplicate (id, budget) rows in data/", totals["duplicate_rows"], 0)
+    per_example = 1 if cfg.sft_mix == "sample" else len(sft_budgets(cfg.budgets))
+    check("sft records written", stats.sft, stats.scored * per_example)
+    check("sft/ records", totals["sft_records"], existing.sft + stats.sft)
+    check("rejects/ rows", totals["rejects"], existing.reject_rows + stats.rejects_written)
+    if problems:
+        raise AccountingError("the counts do not reconcile; the output has no manifest:\n  "
+                              + "\n  ".join(problems))
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for dist in ("mist-cot", "ray", "torch", "transformers", "pyarrow", "datasets", "numpy"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def build(cfg: JobConfig, inputs: list[Input], plan: Plan, existing: Existing,
+          gpus: float) -> ray.data.Dataset:
+    """The streaming pipeline, up to (not including) the write."""
+    # Reading and tokenizing run as CPU tasks that reserve TASK_MEMORY. Besides the
+    # accounting, the reservation keeps them out of the scoring actors: Ray Data fuses a task
+    # stage into the next actor stage when both ask for the same resources (CPU actors).
+    ds = read_raw(inputs, plan.row_limits, memory=TASK_MEMORY).map_batches(
+        stages.prepare_batch, batch_format="pyarrow", memory=TASK_MEMORY,
+        fn_kwargs={"adapter": cfg.adapter, "columns": cfg.columns, "model": cfg.model,
+                   "template": cfg.template, "done_ids": existing.done_ids,
+                   "dup_rows": plan.dup_rows})
+    if plan.to_score:  # no actors (no GPUs woken up) when there is nothing new
+        lo, hi = cfg.actors
+        pool = ray.data.ActorPoolStrategy(size=lo) if lo == hi else \
+            ray.data.ActorPoolStrategy(min_size=lo, max_size=hi)
+        resources = {"num_cpus": cfg.cpus_per_actor}
+        if gpus > 0:
+            resources["num_gpus"] = gpus
+        ds = ds.map_batches(
+            stages.ScoreActor, compute=pool, batch_size=cfg.batch_size, batch_format="pyarrow",
+            fn_constructor_kwargs={
+                "model": cfg.model, "method": cfg.method, "dtype": cfg.dtype,
+                "device": "cuda" if gpus > 0 else "cpu", "alpha": cfg.alpha,
+                "batch_tokens": cfg.batch_tokens, "batch_size": cfg.batch_size,
+                "template": cfg.template, "threads": max(1, int(cfg.cpus_per_actor))},
+            **resources)
+    return ds.map_batches(stages.prune_batch, batch_format="pyarrow", fn_kwargs={
+        "budgets": cfg.budgets, "unit": cfg.unit, "keep_digits": cfg.keep_digits,
+        "with_scores": cfg.scores})
+
+
+def make_manifest(cfg: JobConfig, *, run_id: str, started: str, inputs: list[Input],
+                  out: Output, model_name: str, gpus: float, plan: Plan, stats: WriteStats,
+                  existing: Existing, totals: dict, run_s: float, total_s: float) -> dict:
+    settings = cfg.to_dict()
+    settings["input"] = [i.source for i in inputs]
+    settings["output"] = out.display()
+    counts = {
+        "read": plan.read, "scored": stats.scored, "rejected": stats.rejected,
+        "already_done": stats.skipped,
+        "rejected_by_reason": dict(sorted(stats.reasons.items())),
+        "rejects_already_recorded": stats.rejected - stats.rejects_written,
+        "written_per_budget": {b: stats.written[b] for b in map(budget_label, cfg.budgets)},
+        "sft_records": stats.sft, "score_rows": stats.score_rows, "files_written": stats.files,
+    }
+    timings = {"plan_s": round(plan.seconds, 3), "run_s": round(run_s, 3),
+               "total_s": round(total_s, 3), "actor_busy_s": round(stats.score_s, 3)}
+    throughput = {
+        "chains_per_s": round(stats.scored / run_s, 4) if run_s else None,
+        "tokens_per_s": round(stats.tokens / run_s, 2) if run_s else None,
+        "chains_per_actor_s": round(stats.scored / stats.score_s, 4) if stats.score_s else None,
+    }
+    runs = list((existing.manifest or {}).get("runs", []))
+    if existing.done_ids and existing.manifest is None:
+        runs.append({"run_id": None, "note": "output of an unfinished run without manifest, "
+                                             "kept and completed by the next run"})
+    runs.append({"run_id": run_id, "started_at": started, "finished_at": _now(),
+                 "mode": cfg.mode, "input": settings["input"], "counts": counts,
+                 "timings": timings})
+    return {
+        "run_id": run_id, "started_at": started, "finished_at": _now(),
+        "output": out.display(), "config": settings,
+        "model": {"spec": cfg.model, "name": model_name, "dtype": cfg.dtype,
+                  "device": "cuda" if gpus > 0 else "cpu", "gpus_per_actor": gpus,
+                  "cpus_per_actor": cfg.cpus_per_actor, "actors": list(cfg.actors)},
+        "versions": versions(),
+        "counts": counts, "totals": totals, "timings": timings, "throughput": throughput,
+        "data_schema": [{"name": f.name, "type": str(f.type)} for f in data_schema(plan.extras)],
+        "runs": runs,
+    }
+
+
+def run(cfg: JobConfig) -> dict:
+    """Run the job and return its manifest. Raises ConfigError for unusable settings or
+    input, AccountingError if rows were lost or duplicated."""
+    t0, started = time.perf_counter(), _now()
+    run_id = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+    try:
+        out = Output(cfg.output)
+        inputs = resolve_inputs(cfg.input, cfg.format)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for inp in inputs:  # the output's files must never be read back as input
+        if any(p == out.root or p.startswith(out.root + "/") for p, _ in inp.files):
+            raise ConfigError(f"input {inp.source} includes the output folder {out.display()}")
+    # Load the tokenizer here first: a wrong --model fails now, with a plain message.
+    from mist_core.models import resolve
+
+    try:
+        _, model_name = resolve(cfg.model)
+        stages._template(cfg.model, cfg.template)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot load the tokenizer of --model {cfg.model}: {e}") from None
+    init_ray(cfg)
+
+    if cfg.mode == "overwrite":
+        out.clear()
+    removed = out.clean_partial()
+    if removed:
+        log.info("removed %d files left by an unfinished run", removed)
+    existing = out.load()
+    check_compatible(cfg, model_name, existing, out)
+
+    plan = make_plan(inputs, cfg, existing)
+    log.info("plan: %d rows read, %d to score, %d already in the output, %d invalid, "
+             "%d repeated ids (%.1fs)", plan.read, plan.to_score, plan.done, plan.invalid,
+             plan.duplicates, plan.seconds)
+    gpus = cfg.gpus_per_actor
+    if gpus is None:
+        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    if gpus > 0 and plan.to_score and not ray.cluster_resources().get("GPU", 0):
+        log.info("no GPU in the cluster yet: the scoring actors wait for the autoscaler to "
+                 "add GPU nodes")
+
+    sink = OutputSink(fs=out.fs, root=out.root, run_id=run_id, method=cfg.method,
+                      model=model_name, budgets=cfg.budgets, extras=plan.extras,
+                      sft_format=cfg.sft_format, sft_mix=cfg.sft_mix, seed=cfg.seed,
+                      with_scores=cfg.scores, known_rejects=existing.rejects)
+    out.stash_manifest()
+    t_run = time.perf_counter()
+    build(cfg, inputs, plan, existing, gpus).write_datasink(sink)
+    run_s = time.perf_counter() - t_run
+
+    totals = out.totals()
+    reconcile(cfg, plan, sink.stats, existing, totals)
+    manifest = make_manifest(cfg, run_id=run_id, started=started, inputs=inputs, out=out,
+                             model_name=model_name, gpus=gpus, plan=plan, stats=sink.stats,
+                             existing=existing, totals=totals, run_s=run_s,
+                             total_s=time.perf_counter() - t0)
+    out.write_manifest(manifest)
+    return manifest
+
+
+def summary(manifest: dict, out: Output) -> str:
+    c, t, tot = manifest["counts"], manifest["timings"], manifest["totals"]
+    thr = manifest["throughput"]["chains_per_s"]
+    lines = [
+        f"MIST compression finished in {t['total_s']:.1f}s (run {manifest['run_id']}).",
+        f"Outputs in {manifest['output']}:",
+        f"  data/      {sum(tot['rows_per_budget'].values())} rows: {tot['examples']} examples x "
+        f"{len(tot['rows_per_budget'])} budgets (parquet)",
+        f"  sft/       {tot['sft_records']} training records "
+        f"({manifest['config']['sft_format']} JSONL)",
+        f"  rejects/   {tot['rejects']} rows that could not be used",
+    ]
+    if manifest["config"]["scores"]:
+        lines.append("  scores/    per-token scores (parquet)")
+    lines += [
+        f"  _manifest.json   settings, versions, counts, timings",
+        f"This run: read {c['read']}, scored {c['scored']}, rejected {c['rejected']}, "
+        f"already done {c['already_done']}"
+        + (f"; {thr:.2f} chains/s" if thr and c["scored"] else ""),
+    ]
+    if c["rejected_by_reason"]:
+        lines.append("  rejected: " + ", ".join(f"{k} {v}" for k, v in c["rejected_by_reason"].items()))
+    if tot["mean_kept_ratio"]:
+        lines.append("Mean kept share of chain tokens per budget: " + "  ".join(
+            f"{b}: {r:.2f}" for b, r in tot["mean_kept_ratio"].items()))
+    budgets = manifest["config"]["budgets"]
+    ex = out.example(min(budgets)) if budgets else None
+    if ex:
+        lines += [f"Example at budget {budget_label(ex['budget'])} ({ex['id']}, "
+                  f"{ex['kept_tokens']}/{ex['cot_tokens']} tokens kept):",
+                  f"  question:   {ex['question']}",
+                  f"  chain:      {ex['cot']}",
+                  f"  compressed: {ex['compressed_cot']}",
+                  f"  answer:     {ex['answer']}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m pipelines.compress") -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = parse_args(argv, prog)
+        manifest = run(cfg)
+    except (ConfigError, FileNotFoundError, MissingDependency, UnsupportedModel) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except AccountingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    print(summary(manifest, Output(cfg.output)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""The job's per-row work: validate and tokenize (CPU tasks), score (an actor holding one
+model replica), prune (CPU tasks).
+
+Every stage keeps one row per input row, in one schema (STREAM_SCHEMA): a row that cannot go
+on is marked `status = "reject"` with a reason and carried to the writer, and a row already
+in the output is marked `status = "skip"`. Nothing is filtered out along the way, so the
+writer sees every row read and the counts can be reconciled exactly."""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+import traceback
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow as pa
+
+from mist_core import Example, InvalidExample, get_adapter, get_scorer, load_model, prune
+from mist_core.formats import extra_name, value_kind
+from mist_core.prune import token_pieces
+from mist_core.templates import Encoded
+
+log = logging.getLogger(__name__)
+
+_ints, _floats = pa.list_(pa.int64()), pa.list_(pa.float64())
+STREAM_SCHEMA = pa.schema([
+    ("input", pa.int64()), ("source", pa.string()), ("row", pa.int64()),
+    ("status", pa.string()), ("reason", pa.string()), ("detail", pa.string()),
+    ("raw", pa.string()),  # the input row as text, kept for rejects only
+    ("id", pa.string()), ("question", pa.string()), ("cot", pa.string()),
+    ("answer", pa.string()), ("extra", pa.string()),  # extra input columns, a JSON object
+    # tokenized (validate stage); see mist_core.templates.Encoded
+    ("source_ids", _ints), ("chain_start", pa.int64()), ("chain_len", pa.int64()),
+    ("answer_start", pa.int64()), ("target_ids", _ints), ("target_final", pa.int64()),
+    ("chain_offsets", _ints), ("n_tokens", pa.int64()),
+    # score stage
+    ("scores", _floats), ("necessity", _floats), ("sufficiency", _floats),
+    ("score_s", pa.float64()),
+    # prune stage, one entry per budget
+    ("compressed", pa.list_(pa.string())), ("kept_tokens", _ints), ("tokens", pa.list_(pa.string())),
+])
+OK, REJECT, SKIP = "ok", "reject", "skip"
+
+# Columns each adapter reads; the rest of a row is passed through as extra columns.
+_CONSUMED = {"gsm8k": {"question", "answer", "solution", "id"},
+             "math": {"problem", "question", "solution", "answer", "id"}}
+GENERIC_COLUMNS = {"question": "question", "cot": "cot", "answer": "answer", "id": "id"}
+
+
+def consumed_columns(adapter: str, columns: dict) -> set[str]:
+    if adapter == "generic":
+        return set({**GENERIC_COLUMNS, **columns}.values())
+    return _CONSUMED[adapter]
+
+
+@functools.lru_cache(maxsize=8)
+def _adapter(name: str, columns: tuple):
+    return get_adapter(name, **dict(columns))
+
+
+def parse_row(raw: bytes, adapter: str, columns: dict) -> tuple[Example, dict]:
+    """Raw bytes -> (Example, extra columns). Raises InvalidExample with a reason code."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidExample("invalid_utf8", f"byte {e.start}: {e.reason}") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidExample("invalid_json", str(e)) from None
+    if not isinstance(obj, dict):
+        raise InvalidExample("not_an_object", f"a JSON {type(obj).__name__}, not an object")
+    ex = _adapter(adapter, tuple(sorted(columns.items())))(obj)
+    skip = consumed_columns(adapter, columns)
+    extras = {extra_name(k): v for k, v in obj.items()
+              if k not in skip and not k.startswith("__index_level_")}
+    return ex, extras
+
+
+def _raw_text(raw: bytes) -> str:
+    return raw.decode("utf-8", errors="backslashreplace")
+
+
+def _reject(row: dict, reason: str, detail: str = "") -> dict:
+    row.update(status=REJECT, reason=reason, detail=detail)
+    return row
+
+
+def plan_batch(batch: pa.Table, *, adapter: str, columns: dict) -> pa.Table:
+    """The planning pass: each row's id (null if it fails validation) and the value kinds of
+    its extra columns. Cheap (no tokenizer): it sizes the run before any scoring."""
+    keys, kinds = [], []
+    for raw in batch.column("raw").to_pylist():
+        try:
+            ex, extras = parse_row(raw, adapter, columns)
+        except InvalidExample:
+            keys.append(None)
+            kinds.append(None)
+            continue
+        keys.append(ex.key)
+        kinds.append(json.dumps({k: value_kind(v) for k, v in sorted(extras.items())}))
+    return pa.table({"input": batch.column("input"), "source": batch.column("source"),
+                     "row": batch.column("row"), "key": pa.array(keys, pa.string()),
+                     "kinds": pa.array(kinds, pa.string())})
+
+
+@functools.lru_cache(maxsize=4)
+def _template(model: str, template: str):
+    """The model's tokenizer in its prompt template, loaded once per worker process.
+    Tokenizing needs no weights, so CPU tasks load only the tokenizer and config."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from mist_core.models import resolve
+    from mist_core.templates import get_template
+
+    source, _ = resolve(model)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    max_len = getattr(AutoConfig.from_pretrained(source), "max_position_embeddings", None)
+    tmpl = get_template(template, tokenizer, int(max_len) if max_len else 2048)
+    tmpl.prefix("probe")  # a template that cannot render fails the job here, not every row
+    return tmpl
+
+
+def prepare_batch(batch: pa.Table, *, adapter: str, columns: dict, model: str, template: str,
+                  done_ids: frozenset, dup_rows: frozenset) -> pa.Table:
+    """Validate and tokenize: raw rows -> examples ready for the scorer, or rejects/skips.
+    `done_ids`: ids already in the output (refresh); `dup_rows`: (source, row) of rows whose
+    id appeared earlier in the input."""
+    tmpl = _template(model, template)
+    out = []
+    for rec in batch.to_pylist():
+        row = {"input": rec["input"], "source": rec["source"], "row": rec["row"], "status": OK}
+        raw = rec["raw"]
+        try:
+            ex, extras = parse_row(raw, adapter, columns)
+            row.update(id=ex.key, question=ex.question, cot=ex.cot, answer=ex.answer)
+            if ex.key in done_ids:
+                row["status"] = SKIP
+            elif (rec["source"], rec["row"]) in dup_rows:
+                raise InvalidExample("duplicate_id", f"id {ex.key} appears earlier in the input")
+            else:
+                enc = tmpl.encode(ex)
+                row.update(extra=json.dumps(extras, ensure_ascii=False, default=str),
+                           source_ids=enc.source_ids.tolist(), chain_start=enc.chain_start,
+                           chain_len=enc.chain_len, answer_start=enc.answer_start,
+                           target_ids=enc.target_ids.tolist(), target_final=enc.target_final,
+                           chain_offsets=enc.chain_offsets.reshape(-1).tolist(),
+                           n_tokens=len(enc.source_ids) + len(enc.target_ids))
+        except InvalidExample as e:
+            _reject(row, e.reason, e.detail)
+        except Exception as e:  # a bug or a tokenizer failure on odd text: keep the row, say why
+            log.warning("unexpected error on %s row %s: %r", rec["source"], rec["row"], e)
+            _reject(row, "unexpected_error", f"{type(e).__name__}: {e}")
+        if row["status"] == REJECT:
+            row["raw"] = _raw_text(raw)
+        out.append(row)
+    # Length-aware batching, first half: the scoring actors take consecutive rows as a batch,
+    # so sorting each block by length gives them batches of similar lengths (the scorer then
+    # packs each batch into forward passes of at most batch_tokens padded tokens).
+    out.sort(key=lambda r: (r["status"] != OK, r.get("n_tokens") or 0))
+    return pa.Table.from_pylist(out, schema=STREAM_SCHEMA)
+
+
+def _encoded(row: dict) -> Encoded:
+    ex = Example(row["question"], row["cot"], row["answer"], id=row["id"])
+    return Encoded(example=ex, source_ids=np.asarray(row["source_ids"], np.int64),
+                   chain_start=row["chain_start"], chain_len=row["chain_len"],
+                   answer_start=row["answer_start"],
+                   target_ids=np.asarray(row["target_ids"], np.int64),
+                   target_final=row["target_final"],
+                   chain_offsets=np.asarray(row["chain_offsets"], np.int64).reshape(-1, 2))
+
+
+def _floats_or_none(v) -> list | None:
+    return None if v is None else np.asarray(v, np.float64).tolist()
+
+
+class ScoreActor:
+    """One model replica. Ray Data builds one per actor of the pool and calls it on batches
+    of rows; the scorer groups each batch by length into forward passes of at most
+    `batch_tokens` padded tokens, so short chains are not padded to long ones."""
+
+    def __init__(self, *, model: str, method: str, dtype: str, device: str, alpha: float,
+                 batch_tokens: int, batch_size: int, template: str, threads: int | None = None):
+        import torch
+
+        if device == "cpu" and threads:
+            torch.set_num_threads(threads)
+        t = time.perf_counter()
+        self.lm = load_model(model, dtype=dtype, device=device)
+        kwargs = dict(template=template, max_tokens=batch_tokens, max_batch=batch_size)
+        if method == "mist":
+            kwargs["alpha"] = alpha
+        self.scorer = get_scorer(method, self.lm, **kwargs)
+        self.scored, self.busy = 0, 0.0
+        print(f"[score] actor ready: {self.lm.name} ({method}, {dtype}) on {device}, "
+              f"loaded in {time.perf_counter() - t:.1f}s", flush=True)
+
+    def _score_each(self, encs: list[Encoded]) -> list:
+        """After a failed batch: score one by one, so that one bad row fails alone."""
+        out = []
+        for enc in encs:
+            try:
+                out.append(self.scorer.score_encoded([enc])[0])
+            except Exception as e:
+                out.append(e)
+        return out
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = batch.to_pylist()
+        todo = [r for r in rows if r["status"] == OK]
+        if todo:
+            t = time.perf_counter()
+            encs = [_encoded(r) for r in todo]
+            try:
+                results = self.scorer.score_encoded(encs)
+            except Exception:
+                print(f"[score] batch of {len(encs)} failed, retrying one by one:\n"
+                      f"{traceback.format_exc()}", flush=True)
+                results = self._score_each(encs)
+            dt = time.perf_counter() - t
+            for row, res in zip(todo, results):
+                if isinstance(res, Exception):
+                    _reject(row, "score_error", f"{type(res).__name__}: {res}")
+                elif not np.all(np.isfinite(res.scores)):
+                    _reject(row, "nonfinite_scores", "the scorer returned NaN or inf")
+                else:
+                    row.update(scores=_floats_or_none(res.scores),
+                               necessity=_floats_or_none(res.necessity),
+                               sufficiency=_floats_or_none(res.sufficiency),
+                               score_s=dt / len(todo))
+                if row["status"] == REJECT:
+                    row["raw"] = json.dumps({"id": row["id"], "question": row["question"],
+                                             "cot": row["cot"], "answer": row["answer"]},
+                                            ensure_ascii=False)
+            self.scored += len(todo)
+            self.busy += dt
+            print(f"[score] {len(todo)} chains in {dt:.1f}s; this actor: {self.scored} chains, "
+                  f"{self.scored / self.busy:.2f} chains/s", flush=True)
+        for row in rows:
+            row["target_ids"] = None  # the no-chain input is not needed past scoring
+        return pa.Table.from_pylist(rows, schema=STREAM_SCHEMA)
+
+
+def prune_batch(batch: pa.Table, *, budgets: list[float], unit: str, keep_digits: bool,
+                with_scores: bool) -> pa.Table:
+    """Scores -> one compressed chain per budget. Score arrays travel on only when the
+    scores/ output was asked for."""
+    rows = batch.to_pylist()
+    for row in rows:
+        if row["status"] == OK:
+            if row["scores"] is None:
+                raise RuntimeError(f"{row['source']} row {row['row']} reached pruning unscored")
+            ex = Example(row["question"], row["cot"], row["answer"], id=row["id"])
+            offsets = np.asarray(row["chain_offsets"], np.int64).reshape(-1, 2)
+            scored = SimpleNamespace(scores=np.asarray(row["scores"], np.float64),
+                                     chain_offsets=offsets)
+            try:
+                chains = prune(ex, scored, budgets=budgets, unit=unit, keep_digits=keep_digits)
+            except Exception as e:
+                _reject(row, "prune_error", f"{type(e).__name__}: {e}")
+                row["raw"] = json.dumps({"id": row["id"], "question": row["question"],
+                                         "cot": row["cot"], "answer": row["answer"]},
+                                        ensure_ascii=False)
+            else:
+                row["compressed"] = [c.text for c in chains]
+                row["kept_tokens"] = [c.kept_tokens for c in chains]
+                if with_scores:
+                    row["tokens"] = token_pieces(ex.cot, offsets)
+        if not with_scores or row["status"] != OK:
+            row.update(source_ids=None, scores=None, necessity=None, sufficiency=None)
+        row["chain_offsets"] = None
+    return pa.Table.from_pylist(rows, schema=STREAM_SCHEMA)

@@ -1,0 +1,178 @@
+"""Where the job reads and writes: URIs become pyarrow filesystems (S3, GCS, local), input
+files are listed, and output files are written so that a reader never sees half of one.
+
+S3 goes through pyarrow's S3FileSystem built here, because pyarrow does not read
+AWS_ENDPOINT_URL by itself. Credentials come from the AWS SDK's standard chain (environment,
+profile, instance role) inside pyarrow; this module never reads, prints or logs them."""
+from __future__ import annotations
+
+import os
+import posixpath
+from urllib.parse import urlsplit
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+_COMPRESSION = (".gz", ".bz2", ".zst", ".lz4", ".br")
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+def redact(uri: str) -> str:
+    """A URI fit for logs and the manifest: any user:password@ part is removed."""
+    parts = urlsplit(uri)
+    if parts.scheme and "@" in parts.netloc:
+        return uri.replace(parts.netloc, "***@" + parts.netloc.rsplit("@", 1)[1], 1)
+    return uri
+
+
+def s3_filesystem() -> pafs.S3FileSystem:
+    """S3 with the endpoint of AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL (MinIO, moto, …)."""
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    kwargs = {}
+    if endpoint:
+        parts = urlsplit(endpoint)
+        if parts.scheme:
+            kwargs.update(scheme=parts.scheme, endpoint_override=parts.netloc)
+        else:
+            kwargs["endpoint_override"] = endpoint
+    # Without a region the SDK would probe EC2 metadata, which a custom endpoint never needs.
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region or endpoint:
+        kwargs["region"] = region or "us-east-1"
+    return pafs.S3FileSystem(**kwargs)
+
+
+def filesystem(uri: str) -> tuple[pafs.FileSystem, str, str]:
+    """(filesystem, path within it, prefix that turns such a path back into a URI)."""
+    parts = urlsplit(uri)
+    scheme = parts.scheme.lower()
+    if scheme == "s3":
+        return s3_filesystem(), _bucket_path(uri), "s3://"
+    if scheme in ("gs", "gcs"):
+        return pafs.GcsFileSystem(), _bucket_path(uri), "gs://"
+    if scheme == "file":
+        return pafs.LocalFileSystem(), os.path.abspath(parts.path), ""
+    if scheme and len(scheme) > 1:  # one letter: a Windows drive, not a scheme
+        raise ValueError(f"unsupported URI scheme {scheme!r} in {redact(uri)}: use s3://, gs://, "
+                         "file://, hf:// or a local path")
+    return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri)), ""
+
+
+def _bucket_path(uri: str) -> str:
+    parts = urlsplit(uri)
+    bucket = parts.netloc.rsplit("@", 1)[-1]
+    if not bucket:
+        raise ValueError(f"{redact(uri)} names no bucket")
+    return (bucket + "/" + parts.path.lstrip("/")).rstrip("/")
+
+
+def join(*parts: str) -> str:
+    return posixpath.join(*parts)
+
+
+def detect_format(path: str) -> str | None:
+    """'jsonl' or 'parquet' from a file name (compression suffixes ignored), else None."""
+    name = path.lower()
+    for suffix in _COMPRESSION:
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    return None
+
+
+def _hidden(path: str, root: str) -> bool:
+    rel = posixpath.relpath(path, root) if path != root else posixpath.basename(path)
+    return any(p.startswith((".", "_")) for p in rel.split("/"))
+
+
+def list_files(fs: pafs.FileSystem, root: str) -> list[str]:
+    """Every visible file under a directory (none of its path parts starting with '.' or
+    '_', as Spark, Ray and pyarrow skip them), sorted; [] if it does not exist."""
+    info = fs.get_file_info(root)
+    if info.type == pafs.FileType.NotFound:
+        return []
+    if info.type == pafs.FileType.File:
+        return [root]
+    infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+    return sorted(i.path for i in infos
+                  if i.type == pafs.FileType.File and not _hidden(i.path, root))
+
+
+def input_files(uri: str, fmt: str = "auto") -> tuple[pafs.FileSystem, list[tuple[str, str]], str]:
+    """The data files of one input URI as (path, format), in name order, with their
+    filesystem and URI prefix. A file named directly is taken whatever its name; in a
+    directory, `auto` keeps the .jsonl/.json/.ndjson/.parquet files (compressed or not)."""
+    fs, root, prefix = filesystem(uri)
+    info = fs.get_file_info(root)
+    if info.type == pafs.FileType.NotFound:
+        raise FileNotFoundError(f"input not found: {redact(uri)}")
+    if info.type == pafs.FileType.File:
+        found = fmt if fmt != "auto" else detect_format(root)
+        if found is None:
+            raise ValueError(f"cannot tell the format of {redact(uri)} from its name: "
+                             "pass --format jsonl or --format parquet")
+        return fs, [(root, found)], prefix
+    files = []
+    for path in list_files(fs, root):
+        found = detect_format(path) if fmt == "auto" else fmt
+        if found is not None:
+            files.append((path, found))
+    if not files:
+        raise FileNotFoundError(f"no .jsonl, .json, .ndjson or .parquet files under {redact(uri)}")
+    return fs, files, prefix
+
+
+def write_atomic(fs: pafs.FileSystem, path: str, data: bytes | pa.Table) -> None:
+    """Write a file under a hidden temporary name, then move it into place: readers skip
+    '_' names, so they see the whole file or none of it."""
+    parent, name = posixpath.split(path)
+    fs.create_dir(parent, recursive=True)
+    tmp = join(parent, "_tmp-" + name)
+    if isinstance(data, pa.Table):
+        pq.write_table(data, tmp, filesystem=fs)
+    else:
+        with fs.open_output_stream(tmp) as f:
+            f.write(data)
+    fs.move(tmp, path)
+
+
+def read_text(fs: pafs.FileSystem, path: str) -> str | None:
+    if fs.get_file_info(path).type != pafs.FileType.File:
+        return None
+    with fs.open_input_stream(path) as f:
+        return f.read().decode("utf-8")
+
+
+def parquet_schema(fs: pafs.FileSystem, root: str) -> tuple[list[str], pa.Schema | None]:
+    """The parquet files under a directory and their unified schema (None if no files):
+    files written by different runs may have different extra columns."""
+    files = [p for p in list_files(fs, root) if p.endswith(".parquet")]
+    if not files:
+        return files, None
+    return files, pa.unify_schemas([pq.read_schema(p, filesystem=fs) for p in files],
+                                   promote_options="permissive")
+
+
+def read_parquet_dir(fs: pafs.FileSystem, root: str, columns: list[str] | None = None) -> pa.Table | None:
+    """All parquet files under a directory as one table (a column missing from a file reads
+    as null), None if there are none."""
+    files, schema = parquet_schema(fs, root)
+    if not files:
+        return None
+    return pads.dataset(files, schema=schema, format="parquet", filesystem=fs).to_table(columns=columns)
+
+
+def read_jsonl_dir(fs: pafs.FileSystem, root: str) -> list[str]:
+    """Every line of every .jsonl file under a directory (no parsing)."""
+    lines = []
+    for path in list_files(fs, root):
+        if path.endswith(".jsonl"):
+            with fs.open_input_stream(path) as f:
+                lines += [ln for ln in f.read().decode("utf-8").splitlines() if ln.strip()]
+    return lines
