@@ -41,7 +41,7 @@ def token_pieces(cot: str, offsets: np.ndarray) -> list[str]:
     (whitespace the tokenizer left uncovered) before them. Joining every piece gives the
     chain back, so kept pieces are always original text."""
     pieces, prev = [], 0
-    for i, (start, stop) in enumerate(offsets):
+    for _, stop in offsets:
         stop = max(int(stop), prev)
         pieces.append(cot[prev:stop])
         prev = stop

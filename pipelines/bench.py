@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mist_core import Example, MistScorer, get_adapter, load_model, prune, wrap_model
+from mist_core import Example, MistScorer, get_adapter, load_model, wrap_model
 from mist_core.exact import exact_scores_encoded
 from mist_core.scorer import shared_prefix
 from mist_core.templates import Encoded

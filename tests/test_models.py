@@ -6,7 +6,6 @@ import torch
 
 from conftest import make_model
 from mist_core import MissingDependency, MistScorer, UnsupportedModel, load_model, wrap_model
-from mist_core import models
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])

@@ -1,8 +1,7 @@
 import numpy as np
 import pytest
-import torch
 
-from mist_core import Example, MistScorer, get_scorer
+from mist_core import MistScorer, get_scorer
 from reference import first_order
 
 FIELDS = ["necessity_per_layer", "sufficiency_per_layer", "layer_weights", "necessity",
