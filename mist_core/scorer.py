@@ -153,37 +153,37 @@ class MistScorer(Scorer):
     def batch_length(self, enc: Encoded) -> int:
         return len(enc.source_ids) - shared_prefix(enc)
 
-    def _source_pass(self, batch: list[Encoded], prefix: Prefix):
-        """h^(l) at the continuation's positions and ∇_{h^(l)} log p(a|x,c), selected layers."""
-        lm = self.lm
-        k = prefix.lengths
-        need_grad = "necessity" in self.axes
-        with trace(lm, grad=need_grad) as tr:
-            ids, out = prefix.continue_with(lm, [e.source_ids[n:] for e, n in zip(batch, k)],
-                                            keep="sufficiency" in self.axes)
-            spans = [(e.answer_start - n, e.answer_stop - n) for e, n in zip(batch, k)]
-            lps = span_logprobs(lm, out.last_hidden_state, spans, ids)
+    def _pass(self, prefix: Prefix, seqs: list[np.ndarray], spans: list[tuple[int, int]],
+              grad: bool, keep: bool = False):
+        """Continue the prefix with `seqs`; log p of each span and, with `grad`, its gradient
+        with respect to h^(l) of the selected layers. Returns (states, grads, log-likelihoods)."""
+        with trace(self.lm, grad=grad) as tr:
+            ids, out = prefix.continue_with(self.lm, seqs, keep=keep)
+            lps = span_logprobs(self.lm, out.last_hidden_state, spans, ids)
             grads = None
-            if need_grad:
+            if grad:
                 grads = torch.autograd.grad(torch.stack([lp.sum() for lp in lps]).sum(),
                                             [tr.states[l] for l in self.layers])
         return [s.detach() for s in tr.states], grads, [float(lp.detach().sum()) for lp in lps]
 
+    def _source_pass(self, batch: list[Encoded], prefix: Prefix):
+        """h^(l) at the continuation's positions and ∇_{h^(l)} log p(a|x,c), selected layers."""
+        k = prefix.lengths
+        return self._pass(prefix, [e.source_ids[n:] for e, n in zip(batch, k)],
+                          [(e.answer_start - n, e.answer_stop - n) for e, n in zip(batch, k)],
+                          grad="necessity" in self.axes, keep="sufficiency" in self.axes)
+
     def _target_pass(self, batch: list[Encoded], prefix: Prefix):
         """∇ log p(a|x,∅) and h at the no-chain final position f, for the selected layers."""
-        lm = self.lm
         k = prefix.lengths
-        with trace(lm, grad=True) as tr:
-            ids, out = prefix.continue_with(lm, [e.target_ids[n:] for e, n in zip(batch, k)])
-            spans = [(e.target_final + 1 - n, len(e.target_ids) - n) for e, n in zip(batch, k)]
-            lps = span_logprobs(lm, out.last_hidden_state, spans, ids)
-            grads = torch.autograd.grad(torch.stack([lp.sum() for lp in lps]).sum(),
-                                        [tr.states[l] for l in self.layers])
-        rows = torch.arange(len(batch), device=lm.device)
-        final = torch.tensor([e.target_final - n for e, n in zip(batch, k)], device=lm.device)
+        states, grads, lls = self._pass(
+            prefix, [e.target_ids[n:] for e, n in zip(batch, k)],
+            [(e.target_final + 1 - n, len(e.target_ids) - n) for e, n in zip(batch, k)], grad=True)
+        rows = torch.arange(len(batch), device=self.lm.device)
+        final = torch.tensor([e.target_final - n for e, n in zip(batch, k)], device=self.lm.device)
         g_f = torch.stack([g[rows, final] for g in grads], 1)  # [B, Lsel, d]
-        h_f = torch.stack([tr.states[l].detach()[rows, final] for l in self.layers], 1)
-        return g_f, h_f, [float(lp.detach().sum()) for lp in lps]
+        h_f = torch.stack([states[l][rows, final] for l in self.layers], 1)
+        return g_f, h_f, lls
 
     def _score_batch(self, batch: list[Encoded]) -> list[ScoredChain]:
         # The question prefix is the same in both inputs and, under causal attention, nothing
