@@ -8,6 +8,7 @@ USAGE = """usage: mist <command> [options]
 commands:
   compress   score, prune and write compressed reasoning corpora (Ray Data job);
              `mist compress --help` for its options, `mist compress` alone runs the demo
+  eval       measure compression quality per method and budget (docs/results/quality.md)
 """
 
 
@@ -21,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
         from .compress import main as compress
 
         return compress(rest, prog="mist compress")
+    if command == "eval":
+        from .evaluate import main as evaluate
+
+        return evaluate(rest, prog="mist eval")
     print(f"mist: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2
 

@@ -1,0 +1,388 @@
+"""Measures of compressed chains, for the evaluation harness (pipelines/evaluate.py).
+
+For one chain and many compressed versions of it (methods x budgets):
+- the paper's objective, Eq. 1: log p(a | x, c') where c' is exactly the kept chain tokens,
+  spliced between the question and the answer line of the template;
+- the greedy answer after c', decoded a few tokens at a time, and whether it is right;
+- what the compression kept: intermediate results, number tokens, token types, and the
+  chain's last statement of the answer.
+And the corpus-level statistics: rank correlation and top-k overlap of the two axes,
+first-order vs exact agreement, bootstrap confidence intervals.
+
+How the passes share work: all compressed inputs of one chain start with the same
+question prefix, whose keys and values are computed once and copied into each batch. The
+teacher-forced pass over [x; c'; answer line; a] gives Eq. 1 and, for free, the greedy
+tokens as long as they agree with the gold answer: where greedy decoding and the gold
+answer part ways (or the answer ends without a stop), decoding continues from that point
+on the same cache, with the gold tokens beyond it masked out, in one batch for all the
+chain's compressions, each row leaving the batch when it stops. A row whose greedy answer
+is the gold one thus needs a decoding step only for what it writes after the answer."""
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .answers import answer_correct, answer_mention, intermediate_results
+from .models import LM
+from .prune import budget_tokens
+from .scorer import shared_prefix
+from .taxonomy import TYPES, token_types
+from .templates import Encoded
+from .tracing import _cache_names, pad, run_base, wide
+
+NOCHAIN = None  # the `kept` of the no-chain input [x; a]
+
+
+# ---------------------------------------------------------------- compressed inputs
+
+def compressed_input(enc: Encoded, kept: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt ids, answer ids) of the input with only the kept chain tokens: the question
+    prefix, the kept tokens in order, the template's answer line. kept=None gives the
+    template's no-chain input, the one LL(∅) is measured on."""
+    if kept is None:
+        return enc.target_ids[: enc.target_final + 1], enc.target_ids[enc.target_final + 1:]
+    kept = np.asarray(kept, dtype=bool)
+    if kept.shape != (enc.chain_len,):
+        raise ValueError(f"kept has shape {kept.shape}, the chain has {enc.chain_len} tokens")
+    ids = enc.source_ids
+    chain = ids[enc.chain_start: enc.chain_stop][kept]
+    prompt = np.concatenate([ids[: enc.chain_start], chain, ids[enc.chain_stop: enc.answer_start]])
+    return prompt, ids[enc.answer_start:]
+
+
+@functools.lru_cache(maxsize=4)
+def _stop_tokens(tokenizer) -> np.ndarray:
+    """bool [vocab]: tokens that end an answer: end-of-text/turn specials and anything
+    holding a newline."""
+    n = len(tokenizer)
+    stop = np.zeros(n, dtype=bool)
+    for tid in range(n):
+        if "\n" in tokenizer.decode([tid]):
+            stop[tid] = True
+    stop[[t for t in tokenizer.all_special_ids if t < n]] = True
+    return stop
+
+
+def stop_tokens(lm: LM) -> np.ndarray:
+    stop = _stop_tokens(lm.tokenizer)
+    if len(stop) < lm.unembedding.shape[0]:  # model vocab padded past the tokenizer's
+        stop = np.concatenate([stop, np.ones(lm.unembedding.shape[0] - len(stop), bool)])
+    return stop
+
+
+@dataclass
+class AnswerResult:
+    log_likelihood: float  # log p(a | prompt), teacher-forced
+    generated: list[int]  # greedy tokens after the prompt, stop token excluded
+    text: str
+
+
+def _cache_of(out):
+    return getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+
+
+@torch.no_grad()
+def answer_passes(lm: LM, inputs: Sequence[tuple[np.ndarray, np.ndarray]], prefix_len: int = 0,
+                  extra_new: int = 8, max_tokens: int = 8192) -> list[AnswerResult]:
+    """Eq. 1 and the greedy answer for each (prompt, answer) pair. All prompts must start
+    with the same `prefix_len` tokens (run once). Greedy decoding stops at a stop token or
+    after len(answer) + extra_new tokens."""
+    stop = stop_tokens(lm)
+    keys = [p.tobytes() + b"|" + a.tobytes() for p, a in inputs]
+    unique = list(dict.fromkeys(keys))
+    first = {key: inputs[keys.index(key)] for key in unique}
+    k = min([prefix_len] + [len(p) - 1 for p, _ in inputs])  # each row keeps >= 1 prompt token
+    cache0 = None
+    if k > 0:
+        head = inputs[0][0][:k]
+        assert all(np.array_equal(p[:k], head) for p, _ in inputs), "prompts differ in the prefix"
+        ids, mask = pad([head], lm.pad_id, lm.device)
+        cache0 = _cache_of(run_base(lm, ids, mask, use_cache=True))
+    # Chunks of rows of similar length (padding is wasted work: a row at most 1.5x the
+    # chunk's shortest) whose padded continuation plus decoding room fits max_tokens.
+    sizes = [len(first[u][0]) - k + 2 * len(first[u][1]) + extra_new for u in unique]
+    order = sorted(range(len(unique)), key=lambda i: sizes[i])
+    chunks, cur = [], []
+    for i in order:
+        if cur and (sizes[i] * (len(cur) + 1) > max_tokens or sizes[i] > 1.5 * sizes[cur[0]]):
+            chunks.append(cur)
+            cur = []
+        cur.append(i)
+    chunks += [cur] if cur else []
+    states, parts = {}, []
+    for chunk in chunks:
+        rows = [first[unique[i]] for i in chunk]
+        st, part = _teacher_forced(lm, rows, k, cache0, stop, extra_new)
+        for i, state in zip(chunk, st):
+            states[unique[i]] = state
+        if part is not None:
+            parts.append(([unique[chunk[j]] for j in part[0]],) + part[1:])
+    if parts:
+        _decode(lm, states, parts, stop)
+    tok = lm.tokenizer
+    return [AnswerResult(states[key].ll, states[key].gen,
+                         tok.decode(states[key].gen, skip_special_tokens=True).strip())
+            for key in keys]
+
+
+@dataclass
+class _State:
+    """Greedy decoding of one input: tokens so far, the next one to feed and its position."""
+
+    ll: float
+    gen: list
+    nxt: int
+    pos: int
+    cap: int
+    done: bool
+
+
+def _teacher_forced(lm: LM, rows, k: int, cache0, stop: np.ndarray, extra_new: int):
+    """One pass over [prompt; answer] for a chunk of rows: log p(answer) and the greedy
+    tokens up to where greedy leaves the gold answer. Returns the rows' states and, for the
+    rows still decoding, (their indices, their keys/values per layer, their mask)."""
+    dev = lm.device
+    B = len(rows)
+    kwargs = {"use_cache": True}
+    if cache0 is not None:
+        cache = copy.deepcopy(cache0)
+        cache.batch_repeat_interleave(B)
+        kwargs[_cache_names(lm)] = cache
+    ids, mask = pad([np.concatenate([p[k:], a]) for p, a in rows], lm.pad_id, dev)
+    W = ids.shape[1]
+    full_mask = torch.cat([torch.ones(B, k, dtype=mask.dtype, device=dev), mask], 1)
+    positions = (k + torch.arange(W, device=dev))[None].expand(B, -1)
+    out = run_base(lm, ids, full_mask, position_ids=positions, **kwargs)
+    hidden = out.last_hidden_state
+    # logits where the answer is predicted, plus the position after its last token
+    r_idx, c_idx = [], []
+    for b, (p, a) in enumerate(rows):
+        r_idx += [b] * (len(a) + 1)
+        c_idx += range(len(p) - k - 1, len(p) - k + len(a))
+    logits = wide(lm.lm_head(hidden[torch.tensor(r_idx, device=dev), torch.tensor(c_idx, device=dev)]))
+    logp = torch.log_softmax(logits, -1)
+    greedy = logits.argmax(-1).cpu().numpy()
+    states, at = [], 0
+    for b, (p, a) in enumerate(rows):
+        n = len(a)
+        ll = float(logp[at: at + n].gather(1, torch.as_tensor(a, device=dev)[:, None]).sum())
+        g = greedy[at: at + n + 1]
+        at += n + 1
+        d = next((t for t in range(n) if g[t] != a[t]), n)  # where greedy leaves the gold answer
+        gen = [int(t) for t in a[:d]]
+        if not stop[g[d]]:
+            gen.append(int(g[d]))
+        # gold tokens past d are not on the greedy path: hidden from the decoding steps
+        full_mask[b, len(p) + d:] = 0
+        states.append(_State(ll, gen, int(g[d]), len(p) + d, n + extra_new,
+                             bool(stop[g[d]]) or len(gen) >= n + extra_new))
+    pending = [b for b, st in enumerate(states) if not st.done]
+    if not pending:
+        return states, None
+    sel = torch.tensor(pending, device=dev)
+    kv = [(layer.keys[sel], layer.values[sel]) for layer in _cache_of(out).layers]
+    return states, (pending, kv, full_mask[sel])
+
+
+def _decode(lm: LM, states: dict, parts: list, stop: np.ndarray) -> None:
+    """Greedy decoding of every pending row of all chunks in one batch: their caches are
+    laid side by side (right-padded, the padding masked), and a row leaves the batch when
+    it stops, so late steps cost only the rows still going."""
+    from transformers import DynamicCache
+
+    dev = lm.device
+    width = max(m.shape[1] for _, _, m in parts)
+    grow = lambda t, dim: torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1 - dim) + (0, width - t.shape[dim]))  # noqa: E731
+    alive = [key for keys, _, _ in parts for key in keys]
+    mask = torch.cat([grow(m, 1) for _, _, m in parts])
+    kv = [(torch.cat([grow(p[1][l][0], 2) for p in parts]), torch.cat([grow(p[1][l][1], 2) for p in parts]))
+          for l in range(len(parts[0][1]))]
+    cache = DynamicCache(kv, config=lm.model.config)
+    while alive:
+        mask = torch.cat([mask, torch.ones(len(alive), 1, dtype=mask.dtype, device=dev)], 1)
+        step = run_base(lm, torch.tensor([states[r].nxt for r in alive], device=dev)[:, None], mask,
+                        position_ids=torch.tensor([states[r].pos for r in alive], device=dev)[:, None],
+                        use_cache=True, **{_cache_names(lm): cache})
+        toks = lm.lm_head(step.last_hidden_state[:, 0]).argmax(-1).cpu().numpy()
+        for r, t in zip(alive, toks.tolist()):
+            st = states[r]
+            if stop[t]:
+                st.done = True
+            else:
+                st.gen.append(t)
+                st.nxt, st.pos = t, st.pos + 1
+                st.done = len(st.gen) >= st.cap
+        keep = [i for i, r in enumerate(alive) if not states[r].done]
+        if keep and len(keep) < len(alive):
+            sel = torch.tensor(keep, device=dev)
+            cache.batch_select_indices(sel)
+            mask = mask[sel]
+        alive = [alive[i] for i in keep]
+
+
+# ---------------------------------------------------------------- what a compression keeps
+
+@dataclass
+class ChainProfile:
+    """Per-token facts of one chain that do not depend on the compression."""
+
+    types: np.ndarray  # str [T], see taxonomy.TYPES
+    numbers: np.ndarray  # bool [T]: tokens holding a digit
+    results: list[np.ndarray]  # token indices of each intermediate result
+    answer: np.ndarray | None = None  # token indices of the chain's last statement of the answer
+
+    @classmethod
+    def of(cls, cot: str, offsets: np.ndarray, style: str, answer: str | None = None) -> "ChainProfile":
+        offsets = np.asarray(offsets).reshape(-1, 2)
+        texts = [cot[a:b] for a, b in offsets]
+
+        def tokens(a, b):
+            return np.nonzero((offsets[:, 0] < b) & (offsets[:, 1] > a))[0]
+
+        results = [idx for idx in (tokens(a, b) for a, b in intermediate_results(cot, style)) if len(idx)]
+        span = answer_mention(cot, answer, style) if answer is not None else None
+        return cls(types=np.array(token_types(cot, offsets)),
+                   numbers=np.array([any(ch.isdigit() for ch in t) for t in texts], dtype=bool),
+                   results=results, answer=tokens(*span) if span else None)
+
+    def totals(self) -> dict:
+        return {"tokens": len(self.types), "numbers": int(self.numbers.sum()),
+                "results": len(self.results), "answer": int(self.answer is not None),
+                "types": [int((self.types == t).sum()) for t in TYPES]}
+
+    def kept(self, kept: np.ndarray) -> dict:
+        """Counts of what `kept` keeps; an intermediate result (or the answer's statement)
+        survives only if every one of its tokens is kept."""
+        kept = np.asarray(kept, dtype=bool)
+        return {"tokens": int(kept.sum()), "numbers": int((kept & self.numbers).sum()),
+                "results": int(sum(kept[idx].all() for idx in self.results)),
+                "answer": int(self.answer is not None and bool(kept[self.answer].all())),
+                "types": [int((kept & (self.types == t)).sum()) for t in TYPES]}
+
+
+def pack_mask(kept: np.ndarray | None) -> str:
+    """A kept mask as hex (8 tokens a byte), so stored results can be re-measured."""
+    return "" if kept is None else np.packbits(np.asarray(kept, dtype=bool)).tobytes().hex()
+
+
+def unpack_mask(text: str, T: int) -> np.ndarray:
+    if not text:
+        return np.zeros(T, dtype=bool)
+    return np.unpackbits(np.frombuffer(bytes.fromhex(text), dtype=np.uint8))[:T].astype(bool)
+
+
+def positional_scores(T: int, where: str) -> np.ndarray:
+    """Scores that make pruning keep the first (`head`) or last (`tail`) tokens."""
+    if where == "head":
+        return -np.arange(T, dtype=np.float64)
+    if where == "tail":
+        return np.arange(T, dtype=np.float64)
+    raise ValueError(f"where must be head or tail, not {where!r}")
+
+
+def evaluate_chain(lm: LM, enc: Encoded, variants: dict, style: str, extra_new: int = 8,
+                   max_tokens: int = 8192) -> dict:
+    """Every measure of one chain's compressed versions. `variants` maps a name to a kept
+    mask (bool [T]; all True is the full chain) or NOCHAIN. Returns name -> {ll, pred,
+    correct, kept counts; "types" counts in taxonomy.TYPES order} and the chain's totals
+    under "_chain"."""
+    names = list(variants)
+    inputs = [compressed_input(enc, variants[n]) for n in names]
+    answers = answer_passes(lm, inputs, prefix_len=shared_prefix(enc), extra_new=extra_new,
+                            max_tokens=max_tokens)
+    profile = ChainProfile.of(enc.example.cot, enc.chain_offsets, style, enc.example.answer)
+    out = {"_chain": profile.totals()}
+    for name, ans in zip(names, answers):
+        kept = variants[name]
+        out[name] = {"ll": round(ans.log_likelihood, 5), "pred": ans.text,
+                     "correct": answer_correct(ans.text, enc.example.answer, style),
+                     **profile.kept(kept if kept is not None else np.zeros(enc.chain_len, bool))}
+    return out
+
+
+# ---------------------------------------------------------------- rank statistics
+
+def ranks(x: np.ndarray) -> np.ndarray:
+    """Ranks 1..n, ties getting their mean rank."""
+    x = np.asarray(x, dtype=np.float64)
+    order = np.argsort(x, kind="stable")
+    r = np.empty(len(x))
+    r[order] = np.arange(1, len(x) + 1)
+    _, inv, counts = np.unique(x, return_inverse=True, return_counts=True)
+    sums = np.bincount(inv, weights=r)
+    return sums[inv] / counts[inv]
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman's ρ (Pearson correlation of the tie-averaged ranks); nan if either is
+    constant."""
+    ra, rb = ranks(a), ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    den = math.sqrt(float((ra * ra).sum() * (rb * rb).sum()))
+    return float((ra * rb).sum() / den) if den > 0 else float("nan")
+
+
+def top_set(scores: np.ndarray, frac: float) -> set:
+    """The ⌈frac·T⌉ highest scores' indices (ties to the earlier token, as pruning does)."""
+    k = budget_tokens(frac, len(scores))
+    return set(np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")[:k].tolist())
+
+
+def top_overlap(a: np.ndarray, b: np.ndarray, frac: float = 0.3) -> tuple[float, float]:
+    """(|A∩B|/|A|, |A∩B|/|A∪B|) of the top-frac sets of two score vectors."""
+    A, B = top_set(a, frac), top_set(b, frac)
+    return len(A & B) / len(A), len(A & B) / len(A | B)
+
+
+def exact_agreement(first: np.ndarray, exact: np.ndarray, gammas: Sequence[float],
+                    weights: np.ndarray | None = None) -> dict:
+    """Top-γ agreement |top(first) ∩ top(exact)| / k between per-layer first-order and
+    exact scores ([L, T] each, ranked by magnitude). `per_layer`: the mean over layers;
+    `aggregated`: on Σ_l w_l·|score_l| (Eq. 7 over these layers) when weights are given."""
+    out = {}
+    for g in gammas:
+        per = [top_overlap(np.abs(f), np.abs(e), g)[0] for f, e in zip(first, exact)]
+        out[f"per_layer@{g:g}"] = float(np.mean(per))
+        if weights is not None:
+            w = np.asarray(weights)[:, None]
+            out[f"aggregated@{g:g}"] = top_overlap((w * np.abs(first)).sum(0),
+                                                   (w * np.abs(exact)).sum(0), g)[0]
+    return out
+
+
+# ---------------------------------------------------------------- confidence intervals
+
+def bootstrap_indices(n: int, n_boot: int = 2000, seed: int = 0) -> np.ndarray:
+    """[n_boot, n] resampled example indices. Using the same draws for every method makes
+    differences between methods paired."""
+    return np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
+
+
+def ci_mean(x: np.ndarray, idx: np.ndarray, level: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high): percentile bootstrap over examples; nan entries (an example the
+    measure does not apply to) are left out of each draw."""
+    x = np.asarray(x, dtype=np.float64)
+    if np.all(np.isnan(x)):
+        return (float("nan"),) * 3
+    with np.errstate(invalid="ignore", divide="ignore"):
+        draws = np.nanmean(x[idx], axis=1)
+    lo, hi = np.nanpercentile(draws, [50 * (1 - level), 50 * (1 + level)])
+    return float(np.nanmean(x)), float(lo), float(hi)
+
+
+def ci_ratio(num: np.ndarray, den: np.ndarray, idx: np.ndarray,
+             level: float = 0.95) -> tuple[float, float, float]:
+    """(mean(num)/mean(den), low, high): a ratio of means, bootstrapped over examples.
+    Retention is reported this way because a per-example ratio explodes on chains whose
+    full chain barely moves the answer's likelihood (LL(c) ≈ LL(∅))."""
+    num, den = np.asarray(num, np.float64), np.asarray(den, np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        draws = num[idx].mean(1) / den[idx].mean(1)
+    lo, hi = np.nanpercentile(draws, [50 * (1 - level), 50 * (1 + level)])
+    return float(num.mean() / den.mean()), float(lo), float(hi)

@@ -1,0 +1,465 @@
+"""The evaluation harness: which compression method keeps what matters, measured.
+
+For a sample of a corpus (read with the compression job's inputs, adapters and validation),
+every chain is scored by every method; each method's pruning at each budget gives a
+compressed chain c', on which we measure Eq. 1 (log p(a | x, c')), the greedy answer after
+it, the intermediate results and number tokens it keeps, and the types of the tokens it
+keeps. Once per chain: necessity vs sufficiency rank statistics; on a small subsample:
+first-order vs exact interventions. One JSON record per chain goes to
+<output>/results.jsonl as soon as it is done (a rerun resumes where a crash stopped);
+<output>/run.json holds the settings, the command and the timings.
+`python -m pipelines.report` turns one or more such folders into tables and plots.
+
+Runs on a local Ray (default) or a cluster (--address or $RAY_ADDRESS); each actor holds
+one model replica and evaluates whole chains."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow as pa
+import ray
+
+from mist_core.errors import InvalidExample, MissingDependency, UnsupportedModel
+from mist_core.formats import budget_label
+from mist_core.taxonomy import TYPES
+
+from . import stages
+from .config import ConfigError, _actors, _columns, _floats
+from .sources import read_raw, resolve_inputs
+
+log = logging.getLogger("pipelines.evaluate")
+
+MIST_METHODS = ("mist", "necessity", "sufficiency")  # one MIST scoring gives all three
+BASELINES = ("uniform", "perplexity", "attention_rollout", "h2o", "gogi_l1", "llmlingua2")
+POSITIONAL = ("head", "tail")  # keep the first / last tokens
+ENDS = ("full", "nochain")  # the whole chain / no chain
+ALL_METHODS = MIST_METHODS + BASELINES + POSITIONAL + ENDS
+DEFAULT_BUDGETS = [0.3, 0.5, 0.7, 0.9]
+RESULTS, RUN = "results.jsonl", "run.json"
+# Settings a resumed run must share with the results already in its folder.
+_SAME = ("input", "adapter", "columns", "model", "methods", "budgets", "sample", "seed", "unit",
+         "template", "dtype", "alpha", "style", "exact_n", "exact_layers", "extra_new")
+
+
+@dataclass
+class EvalConfig:
+    input: list[str] = field(default_factory=list)
+    format: str = "auto"
+    adapter: str = "generic"
+    columns: dict = field(default_factory=dict)
+    model: str = "smollm2-135m-instruct"
+    methods: list[str] = field(default_factory=lambda: list(ALL_METHODS))
+    budgets: list[float] = field(default_factory=lambda: list(DEFAULT_BUDGETS))
+    sample: int = 200
+    seed: int = 0
+    unit: str = "token"
+    template: str = "auto"
+    dtype: str = "float32"
+    alpha: float = 0.6
+    style: str = "auto"
+    exact_n: int = 8
+    exact_layers: list[int] | None = None  # None: default_exact_layers
+    extra_new: int = 8
+    output: str = "outputs/eval"
+    mode: str = "resume"
+    batch_size: int = 4
+    batch_tokens: int = 8192
+    actors: tuple = (1, 1)
+    cpus_per_actor: float = 1.0
+    gpus_per_actor: float | None = None
+    threads: int | None = None
+    address: str | None = None
+
+
+def variant_name(method: str, budget: float | None) -> str:
+    return method if budget is None else f"{method}@{budget_label(budget)}"
+
+
+def default_exact_layers(n_layers: int) -> list[int]:
+    """Three blocks, at a quarter, half and three quarters of the depth: exact
+    interventions rerun every block above the edited one, so deep layers are cheap and
+    shallow ones dear, and all 30 of SmolLM2's would cost ~100 s per chain."""
+    return sorted({min(n_layers, max(1, round(n_layers * q))) for q in (0.25, 0.5, 0.75)})
+
+
+# ---------------------------------------------------------------- the actor
+
+class EvalActor:
+    """One model replica; evaluates whole chains, a batch of raw rows at a time."""
+
+    def __init__(self, cfg: dict, device: str = "cpu"):
+        import torch
+
+        from mist_core import get_scorer, load_model
+
+        self.cfg = SimpleNamespace(**cfg)
+        if device == "cpu":
+            torch.set_num_threads(self.cfg.threads or max(1, int(self.cfg.cpus_per_actor)))
+        self.lm = load_model(self.cfg.model, dtype=self.cfg.dtype, device=device)
+        common = dict(template=self.cfg.template, max_tokens=self.cfg.batch_tokens)
+        self.mist = get_scorer("mist", self.lm, alpha=self.cfg.alpha, **common)
+        self.scorers, self.unavailable = {}, {}
+        for name in self.cfg.methods:
+            if name in BASELINES:
+                try:
+                    extra = {"seed": self.cfg.seed} if name == "uniform" else {}
+                    self.scorers[name] = get_scorer(name, self.lm, **common, **extra)
+                except MissingDependency as e:
+                    self.unavailable[name] = str(e)
+        self.exact_layers = self.cfg.exact_layers or default_exact_layers(self.lm.n_layers)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = batch.to_pylist()
+        records, todo = [], []
+        for r in rows:
+            rec = {"source": r["source"], "row": r["row"], "status": "ok"}
+            try:
+                ex, _ = stages.parse_row(r["raw"], self.cfg.adapter, self.cfg.columns)
+                rec["id"] = ex.key
+                todo.append((rec, self.mist.encode(ex), r["exact"]))
+            except InvalidExample as e:
+                rec.update(status="reject", reason=e.reason, detail=e.detail)
+            records.append(rec)
+        if todo:
+            try:
+                self._evaluate(todo)
+            except Exception:  # one bad chain must not sink the batch: retry one by one
+                log.exception("batch failed; evaluating its chains one by one")
+                for item in todo:
+                    try:
+                        self._evaluate([item])
+                    except Exception as e:
+                        item[0].update(status="error", reason=type(e).__name__, detail=str(e))
+        return pa.table({"record": [json.dumps(r, ensure_ascii=False) for r in records]})
+
+    def _evaluate(self, todo: list) -> None:
+        from mist_core.answers import style_for
+        from mist_core.evaluation import evaluate_chain, pack_mask, spearman, top_overlap
+
+        encs = [enc for _, enc, _ in todo]
+        scored, seconds = {}, {}
+        t = time.perf_counter()
+        scored["mist"] = self.mist.score_encoded(encs)
+        seconds["mist"] = (time.perf_counter() - t) / len(encs)
+        for name, scorer in self.scorers.items():
+            t = time.perf_counter()
+            scored[name] = scorer.score_encoded(encs)
+            seconds[name] = (time.perf_counter() - t) / len(encs)
+        for i, (rec, enc, exact) in enumerate(todo):
+            t = time.perf_counter()
+            ex, s = enc.example, scored["mist"][i]
+            style = self.cfg.style if self.cfg.style != "auto" else style_for(self.cfg.adapter, ex.cot)
+            variants = self._variants(enc, s, {n: v[i] for n, v in scored.items()})
+            res = evaluate_chain(self.lm, enc, variants, style, extra_new=self.cfg.extra_new,
+                                 max_tokens=self.cfg.batch_tokens)
+            for name, kept in variants.items():
+                res[name]["kept"] = pack_mask(kept)
+            rho = spearman(s.necessity, s.sufficiency)
+            over, jac = top_overlap(s.necessity, s.sufficiency, 0.3)
+            rec.update(question=ex.question, cot=ex.cot, answer=ex.answer, style=style,
+                       T=enc.chain_len, offsets=enc.chain_offsets.reshape(-1).tolist(),
+                       chain=res.pop("_chain"), ll_full=s.log_likelihood,
+                       ll_nochain=s.nochain_log_likelihood, variants=res,
+                       rank={"spearman": rho, "overlap30": over, "jaccard30": jac},
+                       unavailable=self.unavailable,
+                       seconds={"score": seconds, "measures": time.perf_counter() - t})
+            if exact:
+                t = time.perf_counter()
+                rec["exact"] = self._exact(enc, s)
+                rec["seconds"]["exact"] = time.perf_counter() - t
+
+    def _variants(self, enc, s, scored: dict) -> dict:
+        """name -> kept mask for every method and budget, plus the two ends."""
+        from mist_core import prune
+        from mist_core.evaluation import NOCHAIN, positional_scores
+        from mist_core.scorer import combine
+
+        scores = {"mist": s.scores, "necessity": combine(s.necessity, None, self.cfg.alpha),
+                  "sufficiency": combine(None, s.sufficiency, self.cfg.alpha)}
+        scores.update({n: r.scores for n, r in scored.items() if n != "mist"})
+        scores.update({n: positional_scores(enc.chain_len, n) for n in POSITIONAL})
+        out = {}
+        for name in self.cfg.methods:
+            if name == "full":
+                out[name] = np.ones(enc.chain_len, dtype=bool)
+            elif name == "nochain":
+                out[name] = NOCHAIN
+            elif name in scores:
+                view = SimpleNamespace(scores=scores[name], chain_offsets=enc.chain_offsets)
+                for c in prune(enc.example, view, budgets=self.cfg.budgets, unit=self.cfg.unit):
+                    out[variant_name(name, c.budget)] = c.kept
+        return out
+
+    def _exact(self, enc, s) -> dict:
+        """First-order (the scoring above) vs exact interventions at the chosen layers."""
+        from mist_core.evaluation import exact_agreement
+        from mist_core.exact import exact_scores_encoded
+
+        layers = self.exact_layers
+        nec, suf = exact_scores_encoded(self.lm, enc, layers=layers)
+        rows = np.asarray(layers) - 1  # the scorer keeps every block, 1..L
+        w = s.layer_weights[rows]
+        return {"layers": layers,
+                "necessity": exact_agreement(s.necessity_per_layer[rows], nec, (0.3, 0.5), w),
+                "sufficiency": exact_agreement(s.sufficiency_per_layer[rows], suf, (0.3, 0.5), w)}
+
+
+# ---------------------------------------------------------------- the driver
+
+def plan_rows(batch: pa.Table, *, adapter: str, columns: dict) -> pa.Table:
+    """Each raw row's id and chain length in characters (null for an invalid row), with
+    the job's own parsing and validation."""
+    keys, lengths = [], []
+    for raw in batch.column("raw").to_pylist():
+        try:
+            ex, _ = stages.parse_row(raw, adapter, columns)
+            keys.append(ex.key)
+            lengths.append(len(ex.cot))
+        except InvalidExample:
+            keys.append(None)
+            lengths.append(None)
+    return pa.table({"source": batch.column("source"), "row": batch.column("row"),
+                     "key": pa.array(keys, pa.string()), "chars": pa.array(lengths, pa.int64())})
+
+
+def choose(plan: pa.Table, sample: int, seed: int, exact_n: int) -> tuple[dict, int]:
+    """The sample: `sample` distinct valid rows drawn with `seed` (all of them if fewer),
+    and among them `exact_n` for exact interventions, drawn from the shortest quarter
+    (exact interventions cost T passes of up to L blocks over T tokens per chain). Returns
+    {(source, row): exact?} and the number of valid distinct rows."""
+    rows = sorted(zip(*(plan.column(c).to_pylist() for c in ("source", "row", "key", "chars"))))
+    seen, valid = set(), []
+    for source, row, key, chars in rows:
+        if key is not None and key not in seen:
+            seen.add(key)
+            valid.append((source, row, chars))
+    rng = np.random.default_rng(seed)
+    pick = sorted(rng.choice(len(valid), size=min(sample, len(valid)), replace=False).tolist())
+    chosen = [valid[i] for i in pick]
+    exact = set()
+    if exact_n and chosen:
+        q1 = float(np.percentile([c for _, _, c in chosen], 25))
+        short = [i for i, (_, _, c) in enumerate(chosen) if c <= q1]
+        exact = set(np.random.default_rng(seed + 1).choice(
+            short, size=min(exact_n, len(short)), replace=False).tolist())
+    return {(s, r): i in exact for i, (s, r, _) in enumerate(chosen)}, len(valid)
+
+
+def select_rows(batch: pa.Table, *, wanted: dict) -> pa.Table:
+    rows = [r for r in batch.to_pylist() if (r["source"], r["row"]) in wanted]
+    return pa.table({"source": pa.array([r["source"] for r in rows], pa.string()),
+                     "row": pa.array([r["row"] for r in rows], pa.int64()),
+                     "raw": pa.array([r["raw"] for r in rows], pa.binary()),
+                     "exact": pa.array([wanted[(r["source"], r["row"])] for r in rows], pa.bool_())})
+
+
+def load_done(out: Path, cfg: EvalConfig) -> set:
+    """Ids already evaluated by an earlier run with the same settings (mode resume)."""
+    run, results = out / RUN, out / RESULTS
+    if cfg.mode == "overwrite":
+        for p in (run, results, out / (RESULTS + ".gz")):
+            p.unlink(missing_ok=True)
+        return set()
+    packed = out / (RESULTS + ".gz")
+    if not results.exists() and packed.exists():  # published results are stored gzipped
+        import gzip
+        import shutil
+
+        with gzip.open(packed, "rb") as src, results.open("wb") as dst:
+            shutil.copyfileobj(src, dst)
+    if not results.exists():
+        return set()
+    before = json.loads(run.read_text())["config"] if run.exists() else {}
+    now = asdict(cfg)
+    diff = [k for k in _SAME if k in before and json.dumps(before[k]) != json.dumps(now[k])]
+    if diff:
+        raise ConfigError(f"{out} holds results made with other settings ({', '.join(diff)}); "
+                          "use --mode overwrite or another --output")
+    done = set()
+    with results.open(encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a crash
+                continue
+            done.add((rec["source"], rec["row"]))
+    return done
+
+
+def versions() -> dict:
+    from .compress import versions as job_versions
+
+    return job_versions()
+
+
+def run(cfg: EvalConfig, argv: list[str]) -> dict:
+    from mist_core.models import resolve
+
+    from .compress import init_ray
+
+    t0 = time.perf_counter()
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        inputs = resolve_inputs(cfg.input, cfg.format)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _, model_name = resolve(cfg.model)
+    stages._template(cfg.model, cfg.template)  # a bad --model or template fails here
+    done = load_done(out, cfg)
+    init_ray(cfg)
+
+    plan = read_raw(inputs).map_batches(plan_rows, batch_format="pyarrow",
+                                        fn_kwargs={"adapter": cfg.adapter, "columns": cfg.columns})
+    plan = pa.concat_tables(list(plan.iter_batches(batch_format="pyarrow", batch_size=None)))
+    wanted, n_valid = choose(plan, cfg.sample, cfg.seed, cfg.exact_n)
+    todo = {k: v for k, v in wanted.items() if k not in done}
+    meta = {"config": asdict(cfg), "model_name": model_name,
+            "command": "python -m pipelines.evaluate " + shlex.join(argv),
+            "corpus_rows": plan.num_rows, "corpus_valid": n_valid, "sample": len(wanted),
+            "exact_rows": sum(wanted.values()), "token_types": list(TYPES),
+            "versions": versions()}
+    log.info("%d rows read, %d valid; sample %d (%d for exact interventions); %d to evaluate",
+             plan.num_rows, n_valid, len(wanted), meta["exact_rows"], len(todo))
+    (out / RUN).write_text(json.dumps({**meta, "status": "running"}, indent=2) + "\n")
+
+    gpus = cfg.gpus_per_actor
+    if gpus is None:
+        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    n, t_run = 0, time.perf_counter()
+    if todo:
+        lo, hi = cfg.actors
+        pool = ray.data.ActorPoolStrategy(size=lo) if lo == hi else \
+            ray.data.ActorPoolStrategy(min_size=lo, max_size=hi)
+        resources = {"num_cpus": cfg.cpus_per_actor, **({"num_gpus": gpus} if gpus else {})}
+        rows = read_raw(inputs).map_batches(select_rows, batch_format="pyarrow",
+                                            fn_kwargs={"wanted": todo})
+        rows = pa.concat_tables(list(rows.iter_batches(batch_format="pyarrow", batch_size=None)))
+        # One block per actor call: a map task hands its output on only when its input
+        # block is done, so small blocks are what lets each record reach the file at once.
+        bs = cfg.batch_size
+        ds = ray.data.from_arrow([rows.slice(i, bs) for i in range(0, rows.num_rows, bs)])
+        ds = ds.map_batches(EvalActor, compute=pool, batch_size=cfg.batch_size,
+                            batch_format="pyarrow", fn_constructor_kwargs={
+                                "cfg": asdict(cfg), "device": "cuda" if gpus else "cpu"},
+                            **resources)
+        with (out / RESULTS).open("a", encoding="utf-8") as f:
+            for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+                for line in batch.column("record").to_pylist():
+                    f.write(line + "\n")
+                    n += 1
+                f.flush()
+                os.fsync(f.fileno())
+                dt = time.perf_counter() - t_run
+                log.info("%d/%d chains in %.0fs (%.1f s/chain, about %.0f min left)", n,
+                         len(todo), dt, dt / n, (len(todo) - n) * dt / n / 60)
+    meta.update(status="done", seconds={"total": time.perf_counter() - t0,
+                                        "evaluate": time.perf_counter() - t_run,
+                                        "chains_this_run": n})
+    (out / RUN).write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    d = EvalConfig()
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=EPILOG)
+    p.add_argument("--input", nargs="+", required=True, metavar="URI",
+                   help="corpus files or folders (local, s3://, gs://), hf://name[@split] or "
+                        "demo[:N], as for the compression job")
+    p.add_argument("--format", default=d.format, choices=("auto", "jsonl", "parquet"))
+    p.add_argument("--adapter", default=d.adapter, choices=("gsm8k", "math", "generic"))
+    p.add_argument("--columns", default="", help="generic adapter's columns, e.g. question=q,cot=c")
+    p.add_argument("--model", default=d.model, help=f"model spec (default: {d.model})")
+    p.add_argument("--methods", default=",".join(d.methods),
+                   help=f"comma-separated, from: {', '.join(ALL_METHODS)} (default: all)")
+    p.add_argument("--budgets", default=",".join(map(str, d.budgets)),
+                   help="retention budgets γ (default: 0.3,0.5,0.7,0.9)")
+    p.add_argument("--sample", type=int, default=d.sample, help="chains to evaluate (default: 200)")
+    p.add_argument("--seed", type=int, default=d.seed, help="sample and uniform-baseline seed")
+    p.add_argument("--unit", default=d.unit, choices=("token", "word"),
+                   help="prune single tokens (the paper's ⌈γT⌉, default) or whole words")
+    p.add_argument("--template", default=d.template, choices=("auto", "chat", "plain"))
+    p.add_argument("--dtype", default=d.dtype)
+    p.add_argument("--alpha", type=float, default=d.alpha)
+    p.add_argument("--style", default=d.style, choices=("auto", "gsm8k", "math"),
+                   help="answer normalisation and intermediate results (default: the adapter's)")
+    p.add_argument("--exact-n", type=int, default=d.exact_n,
+                   help="chains (from the shortest quarter) for exact interventions (default: 8)")
+    p.add_argument("--exact-layers", default="auto",
+                   help="blocks for exact interventions, comma-separated (default: 1/4, 1/2, 3/4 of the depth)")
+    p.add_argument("--extra-new", type=int, default=d.extra_new,
+                   help="greedy decoding stops after len(gold answer) + this many tokens")
+    p.add_argument("--output", default=d.output, help=f"results folder (default: {d.output})")
+    p.add_argument("--mode", default=d.mode, choices=("resume", "overwrite"))
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="chains per actor call")
+    p.add_argument("--batch-tokens", type=int, default=d.batch_tokens,
+                   help="padded tokens per forward pass")
+    p.add_argument("--actors", default="1", help="N or MIN,MAX model replicas")
+    p.add_argument("--cpus-per-actor", type=float, default=d.cpus_per_actor)
+    p.add_argument("--gpus-per-actor", default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per CPU actor (default: --cpus-per-actor)")
+    p.add_argument("--address", default=None, help="Ray cluster (default: $RAY_ADDRESS or local)")
+    return p
+
+
+EPILOG = """\
+examples:
+  python -m pipelines.evaluate --input ../shared/data/gsm8k/test.jsonl --adapter gsm8k \\
+      --sample 200 --output docs/results/runs/gsm8k
+  python -m pipelines.report docs/results/runs/gsm8k --out docs/results
+"""
+
+
+def parse_args(argv: list[str], prog: str) -> EvalConfig:
+    a = build_parser(prog).parse_args(argv)
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in ALL_METHODS]
+    if bad or not methods:
+        raise ConfigError(f"unknown methods {bad}; choose from {', '.join(ALL_METHODS)}")
+    budgets = sorted(set(_floats(a.budgets)))
+    if not budgets or any(not 0 < b <= 1 for b in budgets):
+        raise ConfigError(f"budgets must lie in (0, 1], got {a.budgets}")
+    if a.sample < 1:
+        raise ConfigError("sample must be at least 1")
+    layers = None if a.exact_layers == "auto" else [int(x) for x in a.exact_layers.split(",") if x]
+    return EvalConfig(
+        input=list(a.input), format=a.format, adapter=a.adapter, columns=_columns(a.columns),
+        model=a.model, methods=methods, budgets=budgets, sample=a.sample, seed=a.seed,
+        unit=a.unit, template=a.template, dtype=a.dtype, alpha=a.alpha, style=a.style,
+        exact_n=a.exact_n, exact_layers=layers, extra_new=a.extra_new, output=a.output,
+        mode=a.mode, batch_size=a.batch_size, batch_tokens=a.batch_tokens,
+        actors=_actors(a.actors), cpus_per_actor=a.cpus_per_actor,
+        gpus_per_actor=None if a.gpus_per_actor in (None, "auto") else float(a.gpus_per_actor),
+        threads=a.threads, address=a.address)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m pipelines.evaluate") -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        cfg = parse_args(argv, prog)
+        meta = run(cfg, argv)
+    except (ConfigError, FileNotFoundError, MissingDependency, UnsupportedModel) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"evaluated {meta['seconds']['chains_this_run']} chains in "
+          f"{meta['seconds']['total']:.0f}s; results in {cfg.output}/{RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

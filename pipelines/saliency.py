@@ -1,0 +1,216 @@
+"""A saliency picture of one chain: its tokens shaded by necessity, sufficiency and the
+unified MIST score, and what each budget keeps, as HTML (hover a token for its numbers)
+and PNG.
+
+    python -m pipelines.saliency --input ../shared/data/gsm8k/test.jsonl --adapter gsm8k \\
+        --row 1 --out docs/results
+
+The chain is read with the compression job's reader and adapter (any of its inputs; --row
+is the 1-based row number within its source) and scored in this process."""
+from __future__ import annotations
+
+import argparse
+import html
+import shlex
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from mist_core.formats import budget_label
+
+from . import stages
+from .config import ConfigError, _columns, _floats
+
+ROWS = ("necessity", "sufficiency", "unified")
+CMAPS = {"necessity": "Reds", "sufficiency": "Blues", "unified": "Purples"}
+
+
+def read_example(inputs: list[str], adapter: str, columns: dict, row: int, fmt: str = "auto"):
+    """The example at 1-based `row` of the first source, read as the job reads."""
+    import pyarrow.compute as pc
+    import ray
+
+    from .sources import read_raw, resolve_inputs
+
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=False)
+    found = read_raw(resolve_inputs(inputs, fmt)).map_batches(
+        lambda t: t.filter(pc.equal(t["row"], row)), batch_format="pyarrow").take_all()
+    if not found:
+        raise ConfigError(f"no row {row} in {inputs}")
+    ex, _ = stages.parse_row(sorted(found, key=lambda r: r["source"])[0]["raw"], adapter, columns)
+    return ex
+
+
+def chain_view(lm, ex, budgets: list[float], alpha: float = 0.6, unit: str = "token",
+               template: str = "auto") -> dict:
+    """Everything the picture shows: token pieces, the three scores as within-chain
+    percentiles (what the shading encodes) and raw, and each budget's kept mask."""
+    from mist_core import MistScorer, prune
+    from mist_core.prune import token_pieces
+    from mist_core.scorer import combine
+
+    scorer = MistScorer(lm, alpha=alpha, template=template)
+    enc = scorer.encode(ex)
+    [s] = scorer.score_encoded([enc])
+    raw = {"necessity": combine(s.necessity, None, alpha),
+           "sufficiency": combine(None, s.sufficiency, alpha), "unified": s.scores}
+    T = len(s.scores)
+    shade = {k: (np.argsort(np.argsort(v, kind="stable"), kind="stable") / max(T - 1, 1))
+             for k, v in raw.items()}
+    view = SimpleNamespace(scores=s.scores, chain_offsets=s.chain_offsets)
+    kept = {c.budget: c.kept for c in prune(ex, view, budgets=budgets, unit=unit)}
+    return {"pieces": token_pieces(ex.cot, s.chain_offsets), "raw": raw, "shade": shade,
+            "kept": kept, "example": ex, "model": lm.name, "alpha": alpha, "unit": unit}
+
+
+def _rgba(cmap: str, x: float) -> str:
+    import matplotlib
+
+    r, g, b, _ = matplotlib.colormaps[cmap](0.08 + 0.8 * float(x))
+    return f"rgb({int(255 * r)},{int(255 * g)},{int(255 * b)})"
+
+
+def render_html(view: dict, caption: str) -> str:
+    ex = view["example"]
+    out = ["<!doctype html><meta charset='utf-8'><title>MIST saliency</title>",
+           "<style>body{font:14px/1.9 sans-serif;max-width:60em;margin:2em auto}"
+           ".c{font-family:monospace;white-space:pre-wrap;border:1px solid #ddd;padding:.5em}"
+           ".d{color:#bbb;text-decoration:line-through}.k{background:#b9e4b9}"
+           "span[title]{border-radius:2px}</style>",
+           "<h1>What MIST sees in one chain</h1>",
+           f"<p>{html.escape(caption)}</p>",
+           f"<p><b>Question.</b> {html.escape(ex.question)}<br><b>Answer.</b> {html.escape(ex.answer)}</p>",
+           "<p>Shading: each token's rank within the chain (darker = higher). Hover a token "
+           "for its normalised scores (necessity: z of log|φ̂|; sufficiency: z of ψ̂; "
+           f"unified: S = α·necessity + (1−α)·sufficiency, α = {view['alpha']}).</p>"]
+    pieces = view["pieces"]
+
+    def title(i):
+        return " ".join(f"{k} {view['raw'][k][i]:+.2f}" for k in ROWS)
+
+    for row in ROWS:
+        spans = "".join(f"<span title='{title(i)}' style='background:{_rgba(CMAPS[row], view['shade'][row][i])}'>"
+                        f"{html.escape(p)}</span>" for i, p in enumerate(pieces))
+        out += [f"<h3>{row}</h3>", f"<div class='c'>{spans}</div>"]
+    for b, kept in view["kept"].items():
+        spans = "".join(f"<span class='{'k' if k else 'd'}' title='{title(i)}'>{html.escape(p)}</span>"
+                        for i, (p, k) in enumerate(zip(pieces, kept)))
+        out += [f"<h3>kept at γ = {budget_label(b)} ({int(kept.sum())} of {len(kept)} tokens)</h3>",
+                f"<div class='c'>{spans}</div>"]
+    return "\n".join(out) + "\n"
+
+
+def _layout(pieces: list[str], width: int) -> list[tuple[int, int, str]]:
+    """(line, column, text) of each token piece, wrapping at `width` characters; a newline
+    inside a piece starts a new line."""
+    line, col, out = 0, 0, []
+    for p in pieces:
+        parts = p.split("\n")
+        for j, part in enumerate(parts):
+            if j:
+                line, col = line + 1, 0
+            if col + len(part) > width and col:
+                line, col = line + 1, 0
+                part = part.lstrip()
+            out.append((line, col, part))
+            col += len(part)
+    return out
+
+
+def render_png(view: dict, caption: str, path: Path, width: int = 110) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    font = 8.0
+    char_in = 0.6021 * font / 72  # DejaVu Sans Mono's advance: 0.602 em
+    line_in = 1.55 * font / 72
+    pieces = [p.replace("\t", " ") for p in view["pieces"]]
+    cells = _layout(pieces, width)
+    owners = []  # token index of each cell
+    for i, p in enumerate(pieces):
+        owners += [i] * len(p.split("\n"))
+    n_lines = cells[-1][0] + 1 if cells else 1
+    width = max(60, max((col + len(t) for _, col, t in cells), default=0))  # no empty margin
+    panels = [(r, None) for r in ROWS] + [(None, b) for b in view["kept"]]
+    panel_in = (n_lines + 1.6) * line_in
+    W = width * char_in + 0.5
+    H = len(panels) * panel_in + 1.2
+    fig = plt.figure(figsize=(W, H))
+    for k, (row, budget) in enumerate(panels):
+        top = H - 0.45 - k * panel_in
+        ax = fig.add_axes([0.25 / W, (top - panel_in + 0.1) / H, width * char_in / W,
+                           (panel_in - 0.1) / H])
+        ax.set_xlim(0, width)
+        ax.set_ylim(n_lines + 1.2, 0)
+        ax.axis("off")
+        if row:
+            label = f"{row} (darker = ranked higher in this chain)"
+        else:
+            kept = view["kept"][budget]
+            label = f"kept at γ = {budget_label(budget)}: {int(kept.sum())} of {len(kept)} tokens"
+        ax.text(0, 0.45, label, fontsize=font + 1, weight="bold", va="center")
+        for (line, col, text), i in zip(cells, owners):
+            if not text:
+                continue
+            y = line + 1.6
+            if row:
+                color = matplotlib.colormaps[CMAPS[row]](0.08 + 0.8 * view["shade"][row][i])
+                ax.add_patch(plt.Rectangle((col, y - 0.5), len(text), 1.0, color=color, lw=0))
+                fg = "white" if view["shade"][row][i] > 0.75 else "black"
+            else:
+                on = bool(view["kept"][budget][i])
+                if on:
+                    ax.add_patch(plt.Rectangle((col, y - 0.5), len(text), 1.0, color="#b9e4b9", lw=0))
+                fg = "black" if on else "#b0b0b0"
+            ax.text(col, y, text, family="DejaVu Sans Mono", fontsize=font, va="center",
+                    ha="left", color=fg)
+    import textwrap
+
+    fig.text(0.25 / W, 0.08 / H, textwrap.fill(caption, int(width * 1.25)), fontsize=6.5,
+             color="#444444", va="bottom")
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(prog="python -m pipelines.saliency", description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", nargs="+", required=True)
+    p.add_argument("--format", default="auto", choices=("auto", "jsonl", "parquet"))
+    p.add_argument("--adapter", default="generic", choices=("gsm8k", "math", "generic"))
+    p.add_argument("--columns", default="")
+    p.add_argument("--row", type=int, default=1, help="1-based row of the chain (default: 1)")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--budgets", default="0.3,0.5,0.7,0.9")
+    p.add_argument("--unit", default="token", choices=("token", "word"))
+    p.add_argument("--alpha", type=float, default=0.6)
+    p.add_argument("--template", default="auto", choices=("auto", "chat", "plain"))
+    p.add_argument("--out", default="docs/results", help="folder for saliency.html and saliency.png")
+    a = p.parse_args(argv)
+    from mist_core import load_model
+
+    try:
+        ex = read_example(a.input, a.adapter, _columns(a.columns), a.row, a.format)
+        lm = load_model(a.model)
+        view = chain_view(lm, ex, sorted(set(_floats(a.budgets))), a.alpha, a.unit, a.template)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    caption = (f"model {lm.name}; corpus {', '.join(a.input)} ({a.adapter}), row {a.row} "
+               f"(id {ex.key}); unit {a.unit}, α = {a.alpha}; command: python -m pipelines.saliency "
+               + shlex.join(argv))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "saliency.html").write_text(render_html(view, caption), encoding="utf-8")
+    render_png(view, caption, out / "saliency.png")
+    print(f"wrote {out / 'saliency.html'} and {out / 'saliency.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
