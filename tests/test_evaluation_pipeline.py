@@ -15,6 +15,16 @@ from conftest import make_model
 METHODS = [m for m in evaluate.ALL_METHODS if m != "llmlingua2"]  # needs the hub: not in CI
 
 
+@pytest.fixture(scope="module", autouse=True)
+def own_ray():
+    """The harness starts an in-process Ray; shut it down so later modules can start theirs."""
+    import ray
+
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, tokenizer):
     path = tmp_path_factory.mktemp("tiny-llama")
