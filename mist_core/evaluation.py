@@ -34,7 +34,7 @@ from .prune import budget_tokens
 from .scorer import shared_prefix
 from .taxonomy import TYPES, token_types
 from .templates import Encoded
-from .tracing import _cache_names, pad, run_base, wide
+from .tracing import cache_kwarg, pad, run_base, wide
 
 NOCHAIN = None  # the `kept` of the no-chain input [x; a]
 
@@ -153,7 +153,7 @@ def _teacher_forced(lm: LM, rows, k: int, cache0, stop: np.ndarray, extra_new: i
     if cache0 is not None:
         cache = copy.deepcopy(cache0)
         cache.batch_repeat_interleave(B)
-        kwargs[_cache_names(lm)] = cache
+        kwargs[cache_kwarg(lm)] = cache
     ids, mask = pad([np.concatenate([p[k:], a]) for p, a in rows], lm.pad_id, dev)
     W = ids.shape[1]
     full_mask = torch.cat([torch.ones(B, k, dtype=mask.dtype, device=dev), mask], 1)
@@ -208,7 +208,7 @@ def _decode(lm: LM, states: dict, parts: list, stop: np.ndarray) -> None:
         mask = torch.cat([mask, torch.ones(len(alive), 1, dtype=mask.dtype, device=dev)], 1)
         step = run_base(lm, torch.tensor([states[r].nxt for r in alive], device=dev)[:, None], mask,
                         position_ids=torch.tensor([states[r].pos for r in alive], device=dev)[:, None],
-                        use_cache=True, **{_cache_names(lm): cache})
+                        use_cache=True, **{cache_kwarg(lm): cache})
         toks = lm.lm_head(step.last_hidden_state[:, 0]).argmax(-1).cpu().numpy()
         for r, t in zip(alive, toks.tolist()):
             st = states[r]

@@ -57,6 +57,10 @@ def _row_id(row: Mapping, column: str = "id") -> str | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise InvalidExample("id_not_string", f"got {type(value).__name__}")
+    if isinstance(value, str) and not value.strip():
+        # A blank id names nothing: every such row would share it and all but the first
+        # would be dropped as duplicates.
+        raise InvalidExample("empty_id", "")
     return str(value)
 
 

@@ -59,7 +59,7 @@ def value_kind(value) -> str:
     if isinstance(value, bool):  # before int: bool is an int subclass
         return "bool"
     if isinstance(value, int):
-        return "int"
+        return "int" if -2**63 <= value < 2**63 else "json"  # wider than int64: kept as text
     if isinstance(value, float):
         return "float"
     if isinstance(value, str):

@@ -86,7 +86,7 @@ def run_base(lm: LM, ids: torch.Tensor, mask: torch.Tensor, **kwargs):
     return lm.base(input_ids=ids, attention_mask=mask, **kwargs)
 
 
-def _cache_names(lm: LM) -> str:
+def cache_kwarg(lm: LM) -> str:
     # transformers 5 renamed `past_key_values` to `cache`
     params = inspect.signature(lm.base.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
@@ -140,7 +140,7 @@ class Prefix:
         positions = start + torch.arange(ids.shape[1], device=lm.device)[None]
         kwargs = {"position_ids": positions}
         if self.cache is not None:
-            kwargs[_cache_names(lm)] = copy.deepcopy(self.cache) if keep else self.cache
+            kwargs[cache_kwarg(lm)] = copy.deepcopy(self.cache) if keep else self.cache
             kwargs["use_cache"] = True
         return ids, run_base(lm, ids, torch.cat([self.mask, mask], 1), **kwargs)
 

@@ -34,12 +34,14 @@ class JobConfig:
     keep_digits: bool = False
     template: str = "auto"
     dtype: str = "float32"
+    trust_remote_code: bool = False
     batch_size: int = 32
     batch_tokens: int = 4096
     actors: tuple[int, int] = (1, 1)
     gpus_per_actor: float | None = None  # None: 1 when the cluster has GPUs, else 0
     cpus_per_actor: float = 1.0
     scores: bool = False
+    rows_per_file: int = 512
     sft_format: str = "chat"
     sft_mix: str = "sample"
     seed: int = 0
@@ -51,7 +53,7 @@ class JobConfig:
         return d
 
 
-def _floats(value) -> list[float]:
+def parse_floats(value) -> list[float]:
     items = value.split(",") if isinstance(value, str) else list(value)
     try:
         return [float(v) for v in items if str(v).strip()]
@@ -59,7 +61,7 @@ def _floats(value) -> list[float]:
         raise ConfigError(f"budgets must be numbers like 0.5,0.7, not {value!r}") from None
 
 
-def _actors(value) -> tuple[int, int]:
+def parse_actors(value) -> tuple[int, int]:
     if isinstance(value, int):
         items = [value]
     elif isinstance(value, str):
@@ -75,7 +77,7 @@ def _actors(value) -> tuple[int, int]:
     return (nums[0], nums[-1])
 
 
-def _columns(value) -> dict[str, str]:
+def parse_columns(value) -> dict[str, str]:
     if isinstance(value, dict):
         return {str(k): str(v) for k, v in value.items()}
     out = {}
@@ -107,10 +109,11 @@ def _opt_int(value) -> int | None:
     return None if value is None else int(value)
 
 
-_PARSE = {"input": _inputs, "budgets": _floats, "actors": _actors, "columns": _columns,
-          "gpus_per_actor": _gpus, "keep_digits": _bool, "scores": _bool, "limit": _opt_int,
-          "alpha": float, "batch_size": int, "batch_tokens": int, "cpus_per_actor": float,
-          "seed": int}
+_PARSE = {"input": _inputs, "budgets": parse_floats, "actors": parse_actors,
+          "columns": parse_columns, "gpus_per_actor": _gpus, "keep_digits": _bool,
+          "scores": _bool, "trust_remote_code": _bool, "limit": _opt_int, "alpha": float,
+          "batch_size": int, "rows_per_file": int, "batch_tokens": int,
+          "cpus_per_actor": float, "seed": int}
 
 
 def _coerce(key: str, value):
@@ -180,7 +183,7 @@ def validate(cfg: JobConfig) -> JobConfig:
     lo, hi = cfg.actors
     if lo < 1 or hi < lo:
         raise ConfigError(f"actors must be N >= 1 or MIN,MAX with 1 <= MIN <= MAX, got {lo},{hi}")
-    for name in ("batch_size", "batch_tokens"):
+    for name in ("batch_size", "batch_tokens", "rows_per_file"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name} must be at least 1")
     if cfg.limit is not None and cfg.limit < 1:
@@ -220,7 +223,9 @@ examples:
       --actors 1,4 --gpus-per-actor 1 --scores
   python -m pipelines.compress --config refresh.yaml   # keys as below, e.g. batch_size: 32
 
-exit status: 0 done, 2 bad settings or input, 3 counts did not reconcile, 1 other failure."""
+exit status: 0 done, 2 bad settings, input or model, 3 counts did not reconcile, 4 storage
+unavailable (retried for MIST_STORAGE_RETRY_S seconds, default 60; rerun to resume),
+1 other failure."""
 
 
 def build_parser(prog: str = "python -m pipelines.compress") -> argparse.ArgumentParser:
@@ -251,6 +256,9 @@ def build_parser(prog: str = "python -m pipelines.compress") -> argparse.Argumen
                    help="refresh: add only rows not yet in the output; overwrite: delete the "
                         "job's earlier output first (default: refresh)")
     g.add_argument("--scores", action="store_true", help="also write per-token scores to scores/")
+    g.add_argument("--rows-per-file", type=int, metavar="N",
+                   help="input rows per group of output files; a group is the unit a crashed "
+                        f"run keeps (default: {d.rows_per_file})")
     g.add_argument("--sft-format", choices=("chat", "tokenskip"),
                    help="chat: {messages: [...]} with the paper's directive; tokenskip: "
                         "LLaMA-Factory alpaca records with {question}<|eot_id|>{γ}<|eot_id|> "
@@ -275,10 +283,14 @@ def build_parser(prog: str = "python -m pipelines.compress") -> argparse.Argumen
     g.add_argument("--template", choices=("auto", "chat", "plain"),
                    help="prompt template (default: auto, the tokenizer's chat template if any)")
     g.add_argument("--dtype", choices=DTYPES, help="model precision (default: float32, as the paper)")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run Python code shipped with the model or tokenizer "
+                        "(off by default: a hub repository's code would run on every worker)")
 
     g = p.add_argument_group("resources")
     g.add_argument("--batch-size", type=int, metavar="N",
-                   help=f"rows per call of a scoring actor (default: {d.batch_size})")
+                   help="chains per forward pass; a scoring actor takes 8 times as many rows "
+                        f"per call and packs them by length (default: {d.batch_size})")
     g.add_argument("--batch-tokens", type=int, metavar="N",
                    help="padded tokens per forward pass; each call's rows are grouped by "
                         f"length to fill it (default: {d.batch_tokens})")

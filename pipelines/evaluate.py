@@ -34,7 +34,7 @@ from mist_core.formats import budget_label
 from mist_core.taxonomy import TYPES
 
 from . import stages
-from .config import ConfigError, _actors, _columns, _floats
+from .config import ConfigError, parse_actors, parse_columns, parse_floats
 from .sources import read_raw, resolve_inputs
 
 log = logging.getLogger("pipelines.evaluate")
@@ -315,7 +315,7 @@ def run(cfg: EvalConfig, argv: list[str]) -> dict:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _, model_name = resolve(cfg.model)
-    stages._template(cfg.model, cfg.template)  # a bad --model or template fails here
+    stages.template_for(cfg.model, cfg.template)  # a bad --model or template fails here
     done = load_done(out, cfg)
     init_ray(cfg)
 
@@ -429,19 +429,19 @@ def parse_args(argv: list[str], prog: str) -> EvalConfig:
     bad = [m for m in methods if m not in ALL_METHODS]
     if bad or not methods:
         raise ConfigError(f"unknown methods {bad}; choose from {', '.join(ALL_METHODS)}")
-    budgets = sorted(set(_floats(a.budgets)))
+    budgets = sorted(set(parse_floats(a.budgets)))
     if not budgets or any(not 0 < b <= 1 for b in budgets):
         raise ConfigError(f"budgets must lie in (0, 1], got {a.budgets}")
     if a.sample < 1:
         raise ConfigError("sample must be at least 1")
     layers = None if a.exact_layers == "auto" else [int(x) for x in a.exact_layers.split(",") if x]
     return EvalConfig(
-        input=list(a.input), format=a.format, adapter=a.adapter, columns=_columns(a.columns),
+        input=list(a.input), format=a.format, adapter=a.adapter, columns=parse_columns(a.columns),
         model=a.model, methods=methods, budgets=budgets, sample=a.sample, seed=a.seed,
         unit=a.unit, template=a.template, dtype=a.dtype, alpha=a.alpha, style=a.style,
         exact_n=a.exact_n, exact_layers=layers, extra_new=a.extra_new, output=a.output,
         mode=a.mode, batch_size=a.batch_size, batch_tokens=a.batch_tokens,
-        actors=_actors(a.actors), cpus_per_actor=a.cpus_per_actor,
+        actors=parse_actors(a.actors), cpus_per_actor=a.cpus_per_actor,
         gpus_per_actor=None if a.gpus_per_actor in (None, "auto") else float(a.gpus_per_actor),
         threads=a.threads, address=a.address)
 

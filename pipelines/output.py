@@ -56,6 +56,7 @@ class Output:
             return []
         return self.fs.get_file_info(pafs.FileSelector(self.root, recursive=False))
 
+    @storage.retried
     def clear(self) -> None:
         """--mode overwrite: delete what this job wrote here, refusing if the folder holds
         anything else (a mistyped --output must not wipe someone's data)."""
@@ -71,6 +72,7 @@ class Output:
             else:
                 self.fs.delete_file(e.path)
 
+    @storage.retried
     def clean_partial(self) -> int:
         """Delete temporary files, and sft/ and scores/ files without their data/ file (see
         sink.py): what a crashed run leaves. Returns how many files went."""
@@ -90,6 +92,7 @@ class Output:
                     removed += 1
         return removed
 
+    @storage.retried
     def load(self) -> Existing:
         ex = Existing()
         text = storage.read_text(self.fs, self.path(MANIFEST)) or \
@@ -113,18 +116,21 @@ class Output:
         ex.sft = len(storage.read_jsonl_dir(self.fs, self.path("sft")))
         return ex
 
+    @storage.retried
     def stash_manifest(self) -> None:
         """While a run writes, no _manifest.json: its presence means a run finished. The
         last one is kept aside for the run history."""
         if self.fs.get_file_info(self.path(MANIFEST)).type == pafs.FileType.File:
             self.fs.move(self.path(MANIFEST), self.path(PREVIOUS))
 
+    @storage.retried
     def write_manifest(self, manifest: dict) -> None:
         text = json.dumps(manifest, indent=2, ensure_ascii=False, sort_keys=False) + "\n"
         storage.write_atomic(self.fs, self.path(MANIFEST), text.encode("utf-8"))
         if self.fs.get_file_info(self.path(PREVIOUS)).type == pafs.FileType.File:
             self.fs.delete_file(self.path(PREVIOUS))
 
+    @storage.retried
     def totals(self) -> dict:
         """Read data/, sft/ and rejects/ back: rows per budget, duplicates, kept ratios."""
         data = storage.read_parquet_dir(self.fs, self.path("data"),
@@ -150,6 +156,7 @@ class Output:
         out["sft_records"] = len(storage.read_jsonl_dir(self.fs, self.path("sft")))
         return out
 
+    @storage.retried
     def example(self, budget: float) -> dict | None:
         """One data/ row at a budget, for the summary."""
         for path in storage.list_files(self.fs, self.path("data")):

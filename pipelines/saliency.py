@@ -21,7 +21,7 @@ import numpy as np
 from mist_core.formats import budget_label
 
 from . import stages
-from .config import ConfigError, _columns, _floats
+from .config import ConfigError, parse_columns, parse_floats
 
 ROWS = ("necessity", "sufficiency", "unified")
 CMAPS = {"necessity": "Reds", "sufficiency": "Blues", "unified": "Purples"}
@@ -195,9 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     from mist_core import load_model
 
     try:
-        ex = read_example(a.input, a.adapter, _columns(a.columns), a.row, a.format)
+        ex = read_example(a.input, a.adapter, parse_columns(a.columns), a.row, a.format)
         lm = load_model(a.model)
-        view = chain_view(lm, ex, sorted(set(_floats(a.budgets))), a.alpha, a.unit, a.template)
+        view = chain_view(lm, ex, sorted(set(parse_floats(a.budgets))), a.alpha, a.unit, a.template)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -60,19 +60,21 @@ class WriteStats:
 class OutputSink(Datasink):
     def __init__(self, *, fs, root: str, run_id: str, method: str, model: str,
                  budgets: list[float], extras: pa.Schema, sft_format: str, sft_mix: str,
-                 seed: int, with_scores: bool, known_rejects: frozenset):
+                 seed: int, with_scores: bool, known_rejects: frozenset, rows_per_file: int = 512):
         self.fs, self.root, self.run_id = fs, root, run_id
         self.method, self.model, self.budgets = method, model, budgets
         self.extras, self.schema = extras, data_schema(extras)
         self.sft_format, self.sft_mix, self.seed = sft_format, sft_mix, seed
         self.with_scores = with_scores
         self.known_rejects = known_rejects  # already in rejects/ from an earlier run
+        self.rows_per_file = rows_per_file
         self.stats = WriteStats()
 
     @property
     def min_rows_per_write(self) -> int:
-        return 512  # input rows per file group: fewer, larger files
+        return self.rows_per_file  # input rows per file group
 
+    @storage.retried
     def on_write_start(self, schema=None) -> None:
         for d in DIRS:
             self.fs.create_dir(storage.join(self.root, d), recursive=True)

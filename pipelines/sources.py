@@ -19,7 +19,15 @@ from ray.data.datasource import FileBasedDatasource
 from . import storage
 
 RAW_SCHEMA = pa.schema([("input", pa.int64()), ("source", pa.string()), ("row", pa.int64()),
-                        ("raw", pa.binary())])
+                        ("raw", pa.binary()),
+                        ("error", pa.string())])  # set only on a file's unreadable_file record
+# Errors that mean a file's content cannot be parsed: a corrupt or truncated parquet file, a
+# feature pyarrow cannot decode, invalid UTF-8 in a parquet string column. Such a file gives
+# one reject record instead of failing the job. OSError is left out on purpose: it is also how
+# a transient storage failure shows, and that must fail (and retry) the read, never drop rows.
+# (Some damage, e.g. a corrupt snappy page or gzip stream, also shows as OSError and so still
+# fails the job.)
+FORMAT_ERRORS = (pa.ArrowInvalid, pa.ArrowNotImplementedError, UnicodeDecodeError)
 BLOCK_ROWS = 1000
 _HF = re.compile(r"^hf://(?P<name>[^:@]+)(?::(?P<config>[^@]+))?(?:@(?P<split>.+))?$")
 _DEMO = re.compile(r"^demo(?::(?P<n>\d+))?(?::seed=(?P<seed>\d+))?$")
@@ -30,10 +38,11 @@ def _json_bytes(row: dict) -> bytes:
     return json.dumps(row, ensure_ascii=False, default=str).encode("utf-8")
 
 
-def _raw_table(input_idx: int, source: str, rows: list[tuple[int, bytes]]) -> pa.Table:
+def _raw_table(input_idx: int, source: str, rows: list[tuple[int, bytes]],
+               error: str | None = None) -> pa.Table:
     return pa.table({"input": [input_idx] * len(rows), "source": [source] * len(rows),
-                     "row": [r for r, _ in rows], "raw": [b for _, b in rows]},
-                    schema=RAW_SCHEMA)
+                     "row": [r for r, _ in rows], "raw": [b for _, b in rows],
+                     "error": [error] * len(rows)}, schema=RAW_SCHEMA)
 
 
 def jsonl_lines(f, chunk: int = 1 << 20) -> Iterator[tuple[int, bytes]]:
@@ -84,24 +93,37 @@ class CorpusFiles(FileBasedDatasource):
         source = self._prefix + path
         limit = None if self._row_limits is None else self._row_limits.get(source, 0)
         rows = self._parquet_rows(f) if self._format(path) == "parquet" else jsonl_lines(f)
-        block = []
-        for row, raw in rows:
-            if limit is not None and row > limit:
-                break
-            block.append((row, raw))
-            if len(block) >= BLOCK_ROWS:
-                yield _raw_table(self._input_idx, source, block)
-                block = []
+        block, last, error = [], 0, None
+        try:
+            for row, raw in rows:
+                if limit is not None and row > limit:
+                    break
+                block.append((row, raw))
+                last = row
+                if len(block) >= BLOCK_ROWS:
+                    yield _raw_table(self._input_idx, source, block)
+                    block = []
+        except FORMAT_ERRORS as e:
+            # The rest of the file cannot be read. One record, numbered after the last row
+            # read, stands for it and becomes an unreadable_file reject in the validate stage;
+            # the rows before the damage are used as usual. Both passes see the same record.
+            error = f"{type(e).__name__}: {e}"
         if block:
             yield _raw_table(self._input_idx, source, block)
+        if error is not None and (limit is None or last < limit):
+            yield _raw_table(self._input_idx, source, [(last + 1, b"")], error)
 
     @staticmethod
     def _parquet_rows(f) -> Iterator[tuple[int, bytes]]:
+        pf = pq.ParquetFile(f)
         n = 0
-        for batch in pq.ParquetFile(f).iter_batches(batch_size=BLOCK_ROWS):
-            for row in batch.to_pylist():
-                n += 1
-                yield n, _json_bytes(row)
+        # One row group at a time (a batch would otherwise span row groups), so that the rows
+        # of the groups before a damaged one are all read.
+        for group in range(pf.num_row_groups):
+            for batch in pf.iter_batches(batch_size=BLOCK_ROWS, row_groups=[group]):
+                for row in batch.to_pylist():
+                    n += 1
+                    yield n, _json_bytes(row)
 
 
 @dataclass

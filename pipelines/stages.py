@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 import time
 import traceback
 from types import SimpleNamespace
@@ -21,6 +22,8 @@ from mist_core import Example, InvalidExample, get_adapter, get_scorer, load_mod
 from mist_core.formats import extra_name, value_kind
 from mist_core.prune import token_pieces
 from mist_core.templates import Encoded
+
+from . import faults
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +63,12 @@ def _adapter(name: str, columns: tuple):
     return get_adapter(name, **dict(columns))
 
 
-def parse_row(raw: bytes, adapter: str, columns: dict) -> tuple[Example, dict]:
-    """Raw bytes -> (Example, extra columns). Raises InvalidExample with a reason code."""
+def parse_row(raw: bytes, adapter: str, columns: dict,
+              error: str | None = None) -> tuple[Example, dict]:
+    """Raw bytes -> (Example, extra columns). Raises InvalidExample with a reason code.
+    `error`: the read stage's note that the file could not be parsed from this row on."""
+    if error is not None:
+        raise InvalidExample("unreadable_file", error)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -70,13 +77,28 @@ def parse_row(raw: bytes, adapter: str, columns: dict) -> tuple[Example, dict]:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise InvalidExample("invalid_json", str(e)) from None
+    except RecursionError:  # json.loads gives up on very deep nesting this way
+        raise InvalidExample("invalid_json", "nested too deeply") from None
     if not isinstance(obj, dict):
         raise InvalidExample("not_an_object", f"a JSON {type(obj).__name__}, not an object")
+    if "\\u" in text:  # only an escape can make a lone surrogate; valid UTF-8 holds none
+        _check_surrogates(obj)
     ex = _adapter(adapter, tuple(sorted(columns.items())))(obj)
     skip = consumed_columns(adapter, columns)
     extras = {extra_name(k): v for k, v in obj.items()
               if k not in skip and not k.startswith("__index_level_")}
     return ex, extras
+
+
+def _check_surrogates(obj: dict) -> None:
+    """json.loads accepts an escaped lone surrogate ("\\ud800") as a str that has no UTF-8
+    form: Arrow could not write it (nor the tokenizer read it), so the row stops here."""
+    for k, v in obj.items():
+        try:
+            json.dumps([k, v], ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidExample("lone_surrogate", f"column {ascii(k)}: "
+                                 f"{ascii(e.object[e.start:e.end])} has no UTF-8 form") from None
 
 
 def _raw_text(raw: bytes) -> str:
@@ -92,10 +114,10 @@ def plan_batch(batch: pa.Table, *, adapter: str, columns: dict) -> pa.Table:
     """The planning pass: each row's id (null if it fails validation) and the value kinds of
     its extra columns. Cheap (no tokenizer): it sizes the run before any scoring."""
     keys, kinds = [], []
-    for raw in batch.column("raw").to_pylist():
+    for raw, error in zip(batch.column("raw").to_pylist(), batch.column("error").to_pylist()):
         try:
-            ex, extras = parse_row(raw, adapter, columns)
-        except InvalidExample:
+            ex, extras = parse_row(raw, adapter, columns, error)
+        except Exception:  # InvalidExample, or what prepare_batch rejects as unexpected_error
             keys.append(None)
             kinds.append(None)
             continue
@@ -107,7 +129,7 @@ def plan_batch(batch: pa.Table, *, adapter: str, columns: dict) -> pa.Table:
 
 
 @functools.lru_cache(maxsize=4)
-def _template(model: str, template: str):
+def template_for(model: str, template: str, trust_remote_code: bool = False):
     """The model's tokenizer in its prompt template, loaded once per worker process.
     Tokenizing needs no weights, so CPU tasks load only the tokenizer and config."""
     from transformers import AutoConfig, AutoTokenizer
@@ -116,25 +138,27 @@ def _template(model: str, template: str):
     from mist_core.templates import get_template
 
     source, _ = resolve(model)
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    max_len = getattr(AutoConfig.from_pretrained(source), "max_position_embeddings", None)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    max_len = getattr(config, "max_position_embeddings", None)
     tmpl = get_template(template, tokenizer, int(max_len) if max_len else 2048)
     tmpl.prefix("probe")  # a template that cannot render fails the job here, not every row
     return tmpl
 
 
 def prepare_batch(batch: pa.Table, *, adapter: str, columns: dict, model: str, template: str,
-                  done_ids: frozenset, dup_rows: frozenset) -> pa.Table:
+                  done_ids: frozenset, dup_rows: frozenset,
+                  trust_remote_code: bool = False) -> pa.Table:
     """Validate and tokenize: raw rows -> examples ready for the scorer, or rejects/skips.
     `done_ids`: ids already in the output (refresh); `dup_rows`: (source, row) of rows whose
     id appeared earlier in the input."""
-    tmpl = _template(model, template)
+    tmpl = template_for(model, template, trust_remote_code)
     out = []
     for rec in batch.to_pylist():
         row = {"input": rec["input"], "source": rec["source"], "row": rec["row"], "status": OK}
         raw = rec["raw"]
         try:
-            ex, extras = parse_row(raw, adapter, columns)
+            ex, extras = parse_row(raw, adapter, columns, rec.get("error"))
             row.update(id=ex.key, question=ex.question, cot=ex.cot, answer=ex.answer)
             if ex.key in done_ids:
                 row["status"] = SKIP
@@ -177,24 +201,50 @@ def _floats_or_none(v) -> list | None:
     return None if v is None else np.asarray(v, np.float64).tolist()
 
 
+class ModelLoadError(RuntimeError):
+    """The model's weights could not be loaded in a scoring actor (its tokenizer could)."""
+
+
+def model_load_failure(e: BaseException) -> str | None:
+    """The message of a ModelLoadError behind `e`, if any. Ray reports an actor whose
+    constructor raised as ActorDiedError, with the original error only as text."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, ModelLoadError):
+            return str(e)
+        found = re.search(r"ModelLoadError: (.+)", str(e))
+        if found:
+            return found.group(1).strip()
+        inner = getattr(e, "cause", None)
+        e = inner if isinstance(inner, BaseException) else (e.__cause__ or e.__context__)
+    return None
+
+
 class ScoreActor:
     """One model replica. Ray Data builds one per actor of the pool and calls it on batches
     of rows; the scorer groups each batch by length into forward passes of at most
     `batch_tokens` padded tokens, so short chains are not padded to long ones."""
 
     def __init__(self, *, model: str, method: str, dtype: str, device: str, alpha: float,
-                 batch_tokens: int, batch_size: int, template: str, threads: int | None = None):
+                 batch_tokens: int, batch_size: int, template: str, threads: int | None = None,
+                 trust_remote_code: bool = False):
         import torch
 
         if device == "cpu" and threads:
             torch.set_num_threads(threads)
         t = time.perf_counter()
-        self.lm = load_model(model, dtype=dtype, device=device)
+        try:
+            self.lm = load_model(model, dtype=dtype, device=device,
+                                 trust_remote_code=trust_remote_code)
+        except Exception as e:  # the driver turns this into one line, with no retry
+            raise ModelLoadError(f"a scoring actor could not load --model {model}: "
+                                 f"{type(e).__name__}: {e}") from e
         kwargs = dict(template=template, max_tokens=batch_tokens, max_batch=batch_size)
         if method == "mist":
             kwargs["alpha"] = alpha
         self.scorer = get_scorer(method, self.lm, **kwargs)
-        self.scored, self.busy = 0, 0.0
+        self.scored, self.busy, self.batches = 0, 0.0, 0
         print(f"[score] actor ready: {self.lm.name} ({method}, {dtype}) on {device}, "
               f"loaded in {time.perf_counter() - t:.1f}s", flush=True)
 
@@ -237,6 +287,8 @@ class ScoreActor:
                                             ensure_ascii=False)
             self.scored += len(todo)
             self.busy += dt
+            self.batches += 1
+            faults.after_score_batch(self.batches)
             print(f"[score] {len(todo)} chains in {dt:.1f}s; this actor: {self.scored} chains, "
                   f"{self.scored / self.busy:.2f} chains/s", flush=True)
         for row in rows:

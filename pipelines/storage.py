@@ -3,11 +3,24 @@ files are listed, and output files are written so that a reader never sees half 
 
 S3 goes through pyarrow's S3FileSystem built here, because pyarrow does not read
 AWS_ENDPOINT_URL by itself. Credentials come from the AWS SDK's standard chain (environment,
-profile, instance role) inside pyarrow; this module never reads, prints or logs them."""
+profile, instance role) inside pyarrow; this module never reads, prints or logs them.
+
+Storage that refuses or drops requests for a while is ridden out at two levels. The AWS SDK
+retries each request (pyarrow's default: 3 attempts, waits of up to 1 s and 2 s, about 1.5 s
+in all; a larger retry_strategy would be lost anyway when Ray pickles the filesystem to its
+workers). The job's own storage operations below are retried whole, with exponential
+backoff, for up to MIST_STORAGE_RETRY_S seconds (60) in all. Ray Data's reads of the input
+have their own retries (DataContext.retried_io_errors: 10 attempts)."""
 from __future__ import annotations
 
+import datetime as dt
+import functools
+import logging
 import os
 import posixpath
+import re
+import threading
+import time
 from urllib.parse import urlsplit
 
 import pyarrow as pa
@@ -18,6 +31,16 @@ import pyarrow.parquet as pq
 _COMPRESSION = (".gz", ".bz2", ".zst", ".lz4", ".br")
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")
+RETRY_ENV = "MIST_STORAGE_RETRY_S"
+# How pyarrow words errors worth retrying (the AWS SDK's error names, curl's, GCS's). A
+# missing file, a denied request or a broken file is not one: retrying cannot fix it.
+_TRANSIENT = re.compile(r"NETWORK_CONNECTION|SERVICE_UNAVAILABLE|SLOW_DOWN|INTERNAL_FAILURE|"
+                        r"REQUEST_TIME_?OUT|THROTTLING|HTTP status 5\d\d|curlCode|"
+                        r"connection (reset|refused|closed)|timed out|Unavailable|"
+                        r"DeadlineExceeded", re.IGNORECASE)
+_SECRETS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
+log = logging.getLogger("pipelines.storage")
+_retrying = threading.local()
 
 
 def redact(uri: str) -> str:
@@ -26,6 +49,69 @@ def redact(uri: str) -> str:
     if parts.scheme and "@" in parts.netloc:
         return uri.replace(parts.netloc, "***@" + parts.netloc.rsplit("@", 1)[1], 1)
     return uri
+
+
+def retry_seconds() -> float:
+    return float(os.environ.get(RETRY_ENV) or 60)
+
+
+def transient(e: BaseException) -> bool:
+    """A storage error that may go away by itself: the endpoint unreachable, a connection
+    dropped, a 5xx or throttling answer."""
+    return isinstance(e, OSError) and not isinstance(
+        e, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
+            NotADirectoryError)) and bool(_TRANSIENT.search(str(e)))
+
+
+def retried(fn):
+    """Run `fn` again on a transient storage error, with exponential backoff, for up to
+    retry_seconds() in all; `fn` must be safe to repeat. Nested retried calls share the
+    outermost call's budget instead of multiplying it."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if getattr(_retrying, "active", False):
+            return fn(*args, **kwargs)
+        _retrying.active = True
+        try:
+            deadline, delay = time.monotonic() + retry_seconds(), 0.5
+            while True:
+                try:
+                    return fn(*args, **kwargs)
+                except OSError as e:
+                    if not transient(e) or time.monotonic() + delay > deadline:
+                        raise
+                    log.warning("storage error, retrying in %.1fs: %s", delay, one_line(e))
+                    time.sleep(delay)
+                    delay = min(2 * delay, 10.0)
+        finally:
+            _retrying.active = False
+    return wrapper
+
+
+def one_line(e: BaseException) -> str:
+    """An error's first line, with any credential of the environment masked."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    for name in _SECRETS:
+        value = os.environ.get(name)
+        if value:
+            text = text.replace(value, "***")
+    return text
+
+
+def storage_error(e: BaseException) -> BaseException | None:
+    """The transient storage error behind `e`, if any: errors from Ray tasks arrive wrapped
+    (RayTaskError.cause, UserCodeException.__cause__)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        inner = getattr(e, "cause", None)
+        if isinstance(inner, BaseException):
+            e = inner
+            continue
+        if transient(e):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def s3_filesystem() -> pafs.S3FileSystem:
@@ -52,7 +138,8 @@ def filesystem(uri: str) -> tuple[pafs.FileSystem, str, str]:
     if scheme == "s3":
         return s3_filesystem(), _bucket_path(uri), "s3://"
     if scheme in ("gs", "gcs"):
-        return pafs.GcsFileSystem(), _bucket_path(uri), "gs://"
+        limit = dt.timedelta(seconds=retry_seconds())
+        return pafs.GcsFileSystem(retry_time_limit=limit), _bucket_path(uri), "gs://"
     if scheme == "file":
         return pafs.LocalFileSystem(), os.path.abspath(parts.path), ""
     if scheme and len(scheme) > 1:  # one letter: a Windows drive, not a scheme
@@ -91,6 +178,7 @@ def _hidden(path: str, root: str) -> bool:
     return any(p.startswith((".", "_")) for p in rel.split("/"))
 
 
+@retried
 def list_files(fs: pafs.FileSystem, root: str) -> list[str]:
     """Every visible file under a directory (none of its path parts starting with '.' or
     '_', as Spark, Ray and pyarrow skip them), sorted; [] if it does not exist."""
@@ -104,6 +192,7 @@ def list_files(fs: pafs.FileSystem, root: str) -> list[str]:
                   if i.type == pafs.FileType.File and not _hidden(i.path, root))
 
 
+@retried
 def input_files(uri: str, fmt: str = "auto") -> tuple[pafs.FileSystem, list[tuple[str, str]], str]:
     """The data files of one input URI as (path, format), in name order, with their
     filesystem and URI prefix. A file named directly is taken whatever its name; in a
@@ -128,6 +217,7 @@ def input_files(uri: str, fmt: str = "auto") -> tuple[pafs.FileSystem, list[tupl
     return fs, files, prefix
 
 
+@retried
 def write_atomic(fs: pafs.FileSystem, path: str, data: bytes | pa.Table) -> None:
     """Write a file under a hidden temporary name, then move it into place: readers skip
     '_' names, so they see the whole file or none of it."""
@@ -142,6 +232,7 @@ def write_atomic(fs: pafs.FileSystem, path: str, data: bytes | pa.Table) -> None
     fs.move(tmp, path)
 
 
+@retried
 def read_text(fs: pafs.FileSystem, path: str) -> str | None:
     if fs.get_file_info(path).type != pafs.FileType.File:
         return None
@@ -149,6 +240,7 @@ def read_text(fs: pafs.FileSystem, path: str) -> str | None:
         return f.read().decode("utf-8")
 
 
+@retried
 def parquet_schema(fs: pafs.FileSystem, root: str) -> tuple[list[str], pa.Schema | None]:
     """The parquet files under a directory and their unified schema (None if no files):
     files written by different runs may have different extra columns."""
@@ -159,6 +251,7 @@ def parquet_schema(fs: pafs.FileSystem, root: str) -> tuple[list[str], pa.Schema
                                    promote_options="permissive")
 
 
+@retried
 def read_parquet_dir(fs: pafs.FileSystem, root: str, columns: list[str] | None = None) -> pa.Table | None:
     """All parquet files under a directory as one table (a column missing from a file reads
     as null), None if there are none."""
@@ -168,6 +261,7 @@ def read_parquet_dir(fs: pafs.FileSystem, root: str, columns: list[str] | None =
     return pads.dataset(files, schema=schema, format="parquet", filesystem=fs).to_table(columns=columns)
 
 
+@retried
 def read_jsonl_dir(fs: pafs.FileSystem, root: str) -> list[str]:
     """Every line of every .jsonl file under a directory (no parsing)."""
     lines = []
