@@ -3,11 +3,13 @@ the same work (tokenize, score, prune) with the same model and settings. Called 
 `python -m pipelines.bench --pipeline`.
 
 Both sides are timed end to end, model loading included; the job's time also includes
-starting Ray, its planning pass and writing the output. The job's steady rate (rows scored ÷
-the streaming part of the run) is reported beside it."""
+starting Ray, its planning pass and writing the output. The steady-state ratio sets the bare
+loop's scoring time against the streaming part of the run (read, tokenize, score, prune,
+write, all overlapped)."""
 from __future__ import annotations
 
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -41,11 +43,28 @@ def bare_loop(args, rows: list[dict], budgets: list[float]) -> tuple[float, floa
     return time.perf_counter() - t0, t2 - t1
 
 
+def job(cfg) -> tuple[float, dict]:
+    """(seconds end to end, manifest) of one run of the job on a fresh local Ray."""
+    t0 = time.perf_counter()
+    # One logical CPU more than the actor takes, for the read/tokenize/prune tasks (as the
+    # job's own local Ray has); the machine's cores are shared by both, as in the bare loop.
+    ray.init(address="local", num_cpus=cfg.actors[1] * int(cfg.cpus_per_actor) + 1,
+             include_dashboard=False)
+    try:
+        manifest = compress.run(cfg)
+    finally:
+        ray.shutdown()
+    return time.perf_counter() - t0, manifest
+
+
 def pipeline_over_bare(args) -> dict:
+    """Bare loop and job alternately, `args.repeats` times each (CPU timings drift over
+    minutes; alternating exposes both to the same drift), compared by their medians."""
     if ray.is_initialized():
         raise RuntimeError("the pipeline benchmark starts its own local Ray: call it with none running")
     threads = args.threads or 2
     rows = _rows(Path(args.corpus), args.chains)
+    bare, bare_scoring, runs, steady = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="mist-bench-") as tmp:
         corpus = Path(tmp) / "corpus.jsonl"
         corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -53,20 +72,19 @@ def pipeline_over_bare(args) -> dict:
                                  model=args.model, dtype=args.dtype, mode="overwrite",
                                  batch_tokens=args.batch_tokens, batch_size=args.batch_size,
                                  actors=(1, 1), cpus_per_actor=threads, gpus_per_actor=0))
-        bare_s, bare_score_s = bare_loop(args, rows, cfg.budgets)
-        # One logical CPU more than the actor takes, for the read/tokenize/prune tasks; the
-        # machine's cores are shared by both, as in the bare loop.
-        t0 = time.perf_counter()
-        ray.init(address="local", num_cpus=threads + 1, include_dashboard=False)
-        try:
-            manifest = compress.run(cfg)
-        finally:
-            ray.shutdown()
-        job_s = time.perf_counter() - t0
-    scored = manifest["counts"]["scored"]
-    if scored != len(rows):
-        raise RuntimeError(f"the job scored {scored} of {len(rows)} chains: {manifest['counts']}")
-    return {"pipeline_chains": scored, "bare_s": bare_s, "job_s": job_s,
-            "job_run_s": manifest["timings"]["run_s"],
-            "pipeline_over_bare": bare_s / job_s,
-            "pipeline_steady_over_bare_scoring": bare_score_s / manifest["timings"]["run_s"]}
+        for _ in range(max(1, args.repeats)):
+            total, scoring = bare_loop(args, rows, cfg.budgets)
+            bare.append(total)
+            bare_scoring.append(scoring)
+            seconds, manifest = job(cfg)
+            scored = manifest["counts"]["scored"]
+            if scored != len(rows):
+                raise RuntimeError(f"the job scored {scored} of {len(rows)} chains: {manifest['counts']}")
+            runs.append(seconds)
+            steady.append(manifest["timings"]["run_s"])
+    med = statistics.median
+    return {"pipeline_chains": len(rows), "pipeline_repeats": len(runs),
+            "bare_s": med(bare), "bare_scoring_s": med(bare_scoring), "job_s": med(runs),
+            "job_run_s": med(steady), "bare_s_all": bare, "job_s_all": runs,
+            "pipeline_over_bare": med(bare) / med(runs),
+            "pipeline_steady_over_bare_scoring": med(bare_scoring) / med(steady)}
