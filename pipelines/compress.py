@@ -38,8 +38,8 @@ log = logging.getLogger("pipelines.compress")
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 TASK_MEMORY = 512 * 1024**2  # bytes per read/tokenize task: a tokenizer and a block of rows
 # Rows per scoring call, in forward batches: a call packs its rows by length into forward
-# passes, and a larger call packs better (measured: calls of 32 rows cost 28-70% more per
-# chain than the same chains packed 256 at a time).
+# passes, and a larger call packs better (SmolLM2 on 2 CPUs: 1.46 chains/s with calls of 32
+# rows, 1.8-2.2 with calls of 256; docs/results/performance.md).
 CALL_BATCHES = 8
 
 
@@ -404,8 +404,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.compres
             return 2
         # Storage that stayed unreachable past the retries, possibly wrapped by Ray. Every
         # output file is whole and the manifest is written last, so a rerun resumes.
-        from . import storage
-
         cause = storage.storage_error(e)
         if cause is None:
             raise
