@@ -361,7 +361,7 @@ def summary(manifest: dict, out: Output) -> str:
     if manifest["config"]["scores"]:
         lines.append("  scores/    per-token scores (parquet)")
     lines += [
-        f"  _manifest.json   settings, versions, counts, timings",
+        "  _manifest.json   settings, versions, counts, timings",
         f"This run: read {c['read']}, scored {c['scored']}, rejected {c['rejected']}, "
         f"already done {c['already_done']}"
         + (f"; {thr:.2f} chains/s" if thr and c["scored"] else ""),
