@@ -1,4 +1,5 @@
-"""The `mist` console script: `mist compress …` runs the compression job."""
+"""The `mist` console script: `mist compress …` runs the compression job; eval, bench and
+soak run the other entry points."""
 from __future__ import annotations
 
 import sys
@@ -9,6 +10,9 @@ commands:
   compress   score, prune and write compressed reasoning corpora (Ray Data job);
              `mist compress --help` for its options, `mist compress` alone runs the demo
   eval       measure compression quality per method and budget (docs/results/quality.md)
+  bench      scoring cost in forward passes, throughput, padding, the job's overhead
+             (docs/results/performance.md)
+  soak       many chains through the job with memory sampled (docs/results/reliability.md)
 """
 
 
@@ -26,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         from .evaluate import main as evaluate
 
         return evaluate(rest, prog="mist eval")
+    if command in ("bench", "soak"):
+        from importlib import import_module
+
+        return import_module(f".{command}", __package__).main(rest)
     print(f"mist: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2
 

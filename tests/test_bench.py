@@ -2,11 +2,12 @@ import json
 
 from mist_core.tracing import length_batches, similar_lengths
 from pipelines import bench
+from pipelines.cli import main as mist
 
 
 def test_bench_smoke(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert bench.main(["--smoke", "--json", str(out)]) == 0
+    assert mist(["bench", "--smoke", "--json", str(out)]) == 0  # as `mist bench --smoke`
     r = json.loads(out.read_text())
     assert r["chains"] == 16 and r["forward_equivalents"] > 0 and r["chains_per_s"] > 0
     assert 0 <= r["padding_share"] < 0.5
