@@ -23,7 +23,7 @@ import pytest
 
 from conftest import make_model
 from mist_core.demo import demo_corpus
-from s3_server import free_port
+from s3_server import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -69,15 +69,15 @@ def cluster(tmp_path):
     """A one-node Ray cluster of our own: `ray start --head --block` in its own process
     group, so that stopping it ends exactly the processes it started, and with its own temp
     dir, so that no later `ray.init()` on this machine takes it for the current cluster."""
-    dash = free_port()
     temp = tempfile.mkdtemp(prefix="mistray-", dir="/tmp")  # short: Ray puts sockets in it
     log = open(tmp_path / "ray-start.log", "wb")
     # Every port Ray would otherwise take at a fixed default (the job agent's is 52365) is a
     # free one, so that another Ray on this machine does not get in the way.
-    ports = [f"--{name}={free_port()}" for name in (
-        "port", "ray-client-server-port", "dashboard-agent-listen-port",
-        "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port",
-        "node-manager-port", "object-manager-port")]
+    names = ("port", "ray-client-server-port", "dashboard-agent-listen-port",
+             "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port",
+             "node-manager-port", "object-manager-port")
+    dash, *numbers = free_ports(len(names) + 1)
+    ports = [f"--{name}={n}" for name, n in zip(names, numbers)]
     proc = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", *ports,
          "--num-cpus=2", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
