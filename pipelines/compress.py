@@ -383,6 +383,17 @@ def summary(manifest: dict, out: Output) -> str:
     return "\n".join(lines)
 
 
+def causes(e: BaseException) -> list[BaseException]:
+    """`e` and the errors behind it: errors from Ray tasks arrive wrapped (RayTaskError.cause,
+    UserCodeException.__cause__)."""
+    out = []
+    while e is not None and all(e is not seen for seen in out):
+        out.append(e)
+        inner = getattr(e, "cause", None)
+        e = inner if isinstance(inner, BaseException) else (e.__cause__ or e.__context__)
+    return out
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m pipelines.compress") -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -396,15 +407,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.compres
         print(f"error: {e}", file=sys.stderr)
         return 3
     except Exception as e:
-        failure = stages.model_load_failure(e)
+        chain = causes(e)
+        failure = next(filter(None, map(stages.model_load_message, chain)), None)
         if failure is not None:  # a bad --model: Ray Data gives up at the first actor death
             if ray.is_initialized():
                 ray.shutdown()
             print(f"error: {failure}", file=sys.stderr)
             return 2
-        # Storage that stayed unreachable past the retries, possibly wrapped by Ray. Every
-        # output file is whole and the manifest is written last, so a rerun resumes.
-        cause = storage.storage_error(e)
+        # Storage that stayed unreachable past the retries. Every output file is whole and
+        # the manifest is written last, so a rerun resumes.
+        cause = next(filter(storage.transient, chain), None)
         if cause is None:
             raise
         if ray.is_initialized():

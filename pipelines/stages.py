@@ -205,20 +205,13 @@ class ModelLoadError(RuntimeError):
     """The model's weights could not be loaded in a scoring actor (its tokenizer could)."""
 
 
-def model_load_failure(e: BaseException) -> str | None:
-    """The message of a ModelLoadError behind `e`, if any. Ray reports an actor whose
+def model_load_message(e: BaseException) -> str | None:
+    """The message if `e` is a ModelLoadError, or reports one: Ray reports an actor whose
     constructor raised as ActorDiedError, with the original error only as text."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, ModelLoadError):
-            return str(e)
-        found = re.search(r"ModelLoadError: (.+)", str(e))
-        if found:
-            return found.group(1).strip()
-        inner = getattr(e, "cause", None)
-        e = inner if isinstance(inner, BaseException) else (e.__cause__ or e.__context__)
-    return None
+    if isinstance(e, ModelLoadError):
+        return str(e)
+    found = re.search(r"ModelLoadError: (.+)", str(e))
+    return found.group(1).strip() if found else None
 
 
 class ScoreActor:

@@ -98,22 +98,6 @@ def one_line(e: BaseException) -> str:
     return text
 
 
-def storage_error(e: BaseException) -> BaseException | None:
-    """The transient storage error behind `e`, if any: errors from Ray tasks arrive wrapped
-    (RayTaskError.cause, UserCodeException.__cause__)."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        inner = getattr(e, "cause", None)
-        if isinstance(inner, BaseException):
-            e = inner
-            continue
-        if transient(e):
-            return e
-        e = e.__cause__ or e.__context__
-    return None
-
-
 def s3_filesystem() -> pafs.S3FileSystem:
     """S3 with the endpoint of AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL (MinIO, moto, …)."""
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")

@@ -2,6 +2,7 @@
 tokenizer trained in the test session, so the fast tests need no download."""
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 
@@ -58,6 +59,37 @@ def make_model(arch: str, vocab: int, dtype=torch.float32, layers: int = 4, seed
             if p.dim() == 2:
                 p.mul_(4.0)
     return model
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory, tokenizer):
+    """A tiny random Llama (context 256) and its tokenizer, saved so that Ray workers and
+    job subprocesses can load it by path."""
+    path = tmp_path_factory.mktemp("model") / "tiny-llama"
+    make_model("llama", len(tokenizer)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@contextlib.contextmanager
+def loopback_ray():
+    """A local Ray with 2 CPUs on the loopback address, for a module's `local_ray` fixture
+    (start it after setting any variables its workers must inherit). Ray swaps 127.0.0.1 for
+    the machine's outward address unless told the cluster is single-machine (the flag is
+    read at import, hence the patch)."""
+    import ray
+    from ray._private import ray_constants
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False,
+                 _node_ip_address="127.0.0.1")
+        try:
+            assert [n["NodeManagerAddress"] for n in ray.nodes()] == ["127.0.0.1"]
+            yield
+        finally:
+            ray.shutdown()
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2"])

@@ -35,23 +35,19 @@ def test_synthetic_chains_are_consistent():
         assert list(e.target_ids[:e.chain_start]) == list(e.source_ids[:e.chain_start])
 
 
-def test_pipeline_over_bare_runs_the_job_on_the_same_chains(tmp_path, tokenizer):
+def test_pipeline_over_bare_runs_the_job_on_the_same_chains(tmp_path, model_dir):
     """The --pipeline measurement on a tiny model: both sides score every chain."""
     import ray
 
-    from conftest import make_model
     from mist_core.demo import demo_corpus
     from pipelines.bench_pipeline import pipeline_over_bare
 
-    model = tmp_path / "tiny-llama"
-    make_model("llama", len(tokenizer)).save_pretrained(model)
-    tokenizer.save_pretrained(model)
     corpus = tmp_path / "gsm8k.jsonl"
     corpus.write_text("".join(json.dumps({"question": r["question"],
                                           "answer": f'{r["cot"]}\n#### {r["answer"]}'}) + "\n"
                               for r in demo_corpus(12, seed=3)))
     assert not ray.is_initialized()
-    args = bench.parse(["--model", str(model), "--corpus", str(corpus), "--chains", "12",
+    args = bench.parse(["--model", str(model_dir), "--corpus", str(corpus), "--chains", "12",
                         "--pipeline", "--threads", "1", "--batch-size", "4", "--repeats", "1"])
     r = pipeline_over_bare(args)
     assert r["pipeline_chains"] == 12

@@ -14,21 +14,11 @@ from pathlib import Path
 
 import psutil
 import pyarrow.parquet as pq
-import pytest
 
-from conftest import make_model
 from mist_core.demo import demo_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 BUDGETS = "0.5,0.8"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tokenizer):
-    path = tmp_path_factory.mktemp("model") / "tiny-llama"
-    make_model("llama", len(tokenizer)).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def corpus(path: Path, n: int) -> list[str]:

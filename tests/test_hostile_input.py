@@ -20,10 +20,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import ray
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
-from conftest import make_model
+from conftest import loopback_ray
 from mist_core.demo import demo_corpus
 from mist_core.examples import stable_id
 from mist_core.formats import extra_value, kinds_type, value_kind
@@ -34,28 +33,10 @@ BUDGETS = [0.5, 0.8]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tokenizer):
-    """A tiny random Llama (context 256) and its tokenizer, saved so Ray workers load it."""
-    path = tmp_path_factory.mktemp("model") / "tiny-llama"
-    make_model("llama", len(tokenizer)).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def local_ray():
-    """A local Ray with 2 CPUs on the loopback address (see tests/test_pipeline_s3.py)."""
-    from ray._private import ray_constants
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-        ray.init(address="local", num_cpus=2, include_dashboard=False,
-                 _node_ip_address="127.0.0.1")
-        try:
-            yield
-        finally:
-            ray.shutdown()
+    """A local Ray on loopback for the module (conftest.loopback_ray)."""
+    with loopback_ray():
+        yield
 
 
 def config(corpus, output, model_dir) -> JobConfig:

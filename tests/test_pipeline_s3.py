@@ -12,9 +12,8 @@ from types import SimpleNamespace
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import ray
 
-from conftest import make_model
+from conftest import loopback_ray
 from mist_core import Example, get_template, prune
 from mist_core.formats import DATA_COLUMNS, directive
 from mist_core.demo import demo_corpus
@@ -27,15 +26,6 @@ BUDGETS = [0.5, 0.8]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tokenizer):
-    """A tiny random Llama and its tokenizer, saved so Ray workers can load it by path."""
-    path = tmp_path_factory.mktemp("model") / "tiny-llama"
-    make_model("llama", len(tokenizer)).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def s3():
     with moto_s3() as url, environ_patch(s3_env(url)):
         client = s3_client(url)
@@ -45,20 +35,9 @@ def s3():
 
 @pytest.fixture(scope="module")
 def local_ray(s3):
-    """A local Ray on the loopback address, started after the S3 variables are set so that
-    its workers inherit them. Ray swaps 127.0.0.1 for the machine's outward address unless
-    told the cluster is single-machine (the flag is read at import, hence the patch)."""
-    from ray._private import ray_constants
-
-    with pytest.MonkeyPatch.context() as mp, environ_patch({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}):
-        mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-        ray.init(address="local", num_cpus=2, include_dashboard=False,
-                 _node_ip_address="127.0.0.1")
-        try:
-            assert [n["NodeManagerAddress"] for n in ray.nodes()] == ["127.0.0.1"]
-            yield
-        finally:
-            ray.shutdown()
+    """Started after the S3 variables are set, so that its workers inherit them."""
+    with loopback_ray():
+        yield
 
 
 def rows(seed: int, n: int, tag: str) -> list[dict]:

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
-from conftest import make_model
+from conftest import loopback_ray
 from fault_proxy import FaultProxy
 from mist_core.demo import demo_corpus
 from pipelines import compress
@@ -29,14 +29,6 @@ REPO = Path(__file__).resolve().parents[1]
 BUCKET = "mist-fault-test"
 BUDGETS = [0.5, 0.8]
 OUTAGE_S = 4
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tokenizer):
-    path = tmp_path_factory.mktemp("model") / "tiny-llama"
-    make_model("llama", len(tokenizer)).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -57,18 +49,9 @@ def s3():
 
 @pytest.fixture(scope="module")
 def local_ray(s3):
-    """As in test_pipeline_s3.py: a single-machine Ray on loopback, started after the S3
-    variables are set so that its workers inherit them."""
-    from ray._private import ray_constants
-
-    with pytest.MonkeyPatch.context() as mp, environ_patch({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}):
-        mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-        ray.init(address="local", num_cpus=2, include_dashboard=False,
-                 _node_ip_address="127.0.0.1")
-        try:
-            yield
-        finally:
-            ray.shutdown()
+    """Started after the S3 variables are set, so that its workers inherit them."""
+    with loopback_ray():
+        yield
 
 
 def put_corpus(client, name: str, seed: int, n: int = 8) -> list[dict]:
