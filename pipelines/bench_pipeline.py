@@ -44,12 +44,9 @@ def bare_loop(args, rows: list[dict], budgets: list[float]) -> tuple[float, floa
 
 
 def job(cfg) -> tuple[float, dict]:
-    """(seconds end to end, manifest) of one run of the job on a fresh local Ray."""
+    """(seconds end to end, manifest) of one run of the job, on the fresh local Ray it
+    starts for itself as a user's run does."""
     t0 = time.perf_counter()
-    # One logical CPU more than the actor takes, for the read/tokenize/prune tasks (as the
-    # job's own local Ray has); the machine's cores are shared by both, as in the bare loop.
-    ray.init(address="local", num_cpus=cfg.actors[1] * int(cfg.cpus_per_actor) + 1,
-             include_dashboard=False)
     try:
         manifest = compress.run(cfg)
     finally:
