@@ -13,9 +13,10 @@ import torch
 
 from .errors import MissingDependency
 from .models import LM
-from .scorer import ScoredChain, Scorer
+from .passes import residual_pass
+from .scorer import BackpropScorer, Plan, ScoredChain, Scorer
 from .templates import Encoded
-from .tracing import pad, run_base, span_logprobs, trace
+from .tracing import pad, run_base, span_logprobs
 
 
 class UniformScorer(Scorer):
@@ -27,7 +28,7 @@ class UniformScorer(Scorer):
         super().__init__(lm, **kwargs)
         self.seed = seed
 
-    def _score_batch(self, batch: list[Encoded]) -> list[ScoredChain]:
+    def _score_batch(self, batch: list[Encoded], plan=None) -> list[ScoredChain]:
         out = []
         for enc in batch:
             key = hashlib.sha256(f"{self.seed}|{enc.example.key}".encode()).digest()
@@ -42,7 +43,7 @@ class PerplexityScorer(Scorer):
     method = "perplexity"
 
     @torch.no_grad()
-    def _score_batch(self, batch: list[Encoded]) -> list[ScoredChain]:
+    def _score_batch(self, batch: list[Encoded], plan=None) -> list[ScoredChain]:
         ids, mask = pad([e.source_ids for e in batch], self.lm.pad_id, self.lm.device)
         hidden = run_base(self.lm, ids, mask).last_hidden_state
         lps = span_logprobs(self.lm, hidden, [(e.chain_start, e.chain_stop) for e in batch], ids)
@@ -67,7 +68,7 @@ def eager_attention(lm: LM):
 
 class _AttentionScorer(Scorer):
     @torch.no_grad()
-    def _score_batch(self, batch: list[Encoded]) -> list[ScoredChain]:
+    def _score_batch(self, batch: list[Encoded], plan=None) -> list[ScoredChain]:
         ids, mask = pad([e.source_ids for e in batch], self.lm.pad_id, self.lm.device)
         with eager_attention(self.lm):
             attentions = run_base(self.lm, ids, mask, output_attentions=True).attentions
@@ -109,22 +110,29 @@ class AttentionRolloutScorer(_AttentionScorer):
         return v.sum(0)
 
 
-class GoGIScorer(Scorer):
+class GoGIScorer(BackpropScorer):
     """GoGI-ℓ1: ‖∇_{h_i^(l*)} log p(a|x,c)‖₁ at l* = max(L−2, 0)."""
 
     method = "gogi_l1"
 
-    def _score_batch(self, batch: list[Encoded]) -> list[ScoredChain]:
-        lm = self.lm
-        layer = max(lm.n_layers - 2, 0)
-        ids, mask = pad([e.source_ids for e in batch], lm.pad_id, lm.device)
-        with trace(lm, grad=True) as tr:
-            hidden = run_base(lm, ids, mask).last_hidden_state
-            lps = span_logprobs(lm, hidden, [(e.answer_start, e.answer_stop) for e in batch], ids)
-            (grad,) = torch.autograd.grad(torch.stack([lp.sum() for lp in lps]).sum(),
-                                          [tr.states[layer]])
+    def need(self, batch: list[Encoded], recompute: bool) -> float:
+        width = max(len(e.source_ids) for e in batch)
+        return self.footprint.need(len(batch) * width, recompute,
+                                   logit_rows=sum(e.answer_len for e in batch),
+                                   vocab=self.lm.unembedding.shape[0])
+
+    def _score_batch(self, batch: list[Encoded], plan: Plan) -> list[ScoredChain]:
+        layer = max(self.lm.n_layers - 2, 0)
+        ids, _ = pad([e.source_ids for e in batch], self.lm.pad_id, self.lm.device)
+        norms = {}
+
+        def on_grad(l, g, h):
+            norms[l] = g.abs().sum(-1)
+
+        residual_pass(self.lm, ids, [(e.answer_start, e.answer_stop) for e in batch],
+                      grad_layers=[layer], recompute=plan.recompute, on_grad=on_grad)
         return [ScoredChain.from_encoded(
-                    e, self.method, grad[b, e.chain_start: e.chain_stop].abs().sum(-1).double().cpu().numpy())
+                    e, self.method, norms[layer][b, e.chain_start: e.chain_stop].double().cpu().numpy())
                 for b, e in enumerate(batch)]
 
 
@@ -151,7 +159,7 @@ class LLMLingua2Scorer(Scorer):
                 f"id reachable from here, or a local copy passed as classifier=PATH): {err}") from err
 
     @torch.no_grad()
-    def _score_batch(self, batch: list[Encoded]) -> list[ScoredChain]:
+    def _score_batch(self, batch: list[Encoded], plan=None) -> list[ScoredChain]:
         out = []
         for enc in batch:
             cot = enc.example.cot

@@ -8,10 +8,13 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from . import memory
+from .errors import InvalidExample
 from .examples import Example
 from .models import LM
 from .templates import Encoded, get_template
-from .tracing import Prefix, length_batches, span_logprobs, trace, wide
+from .passes import PrefixKV, residual_pass
+from .tracing import Prefix, length_batches, pad, wide
 
 AXES = ("necessity", "sufficiency")
 
@@ -59,16 +62,28 @@ class ScoredChain:
 class Scorer:
     """Scores chains in batches. Subclasses implement `_score_batch` over encoded examples;
     batching is by token budget over length-sorted examples, and results come back in
-    input order."""
+    input order.
+
+    max_memory: the most bytes the scorer's passes may take beyond the loaded model (None:
+    no cap; on a GPU, "auto" takes the device's free memory once the model is loaded).
+    Within it a scorer that backpropagates picks its batches and, where a batch would not
+    fit otherwise, recomputes each block in the backward instead of storing its activations.
+    A batch that runs out of memory all the same is split in two and retried; a chain that
+    cannot fit alone fails with InvalidExample (reason `too_long_for_memory`)."""
 
     method = "base"
 
     def __init__(self, lm: LM, template: str = "auto", max_tokens: int = 4096,
-                 max_batch: int = 32):
+                 max_batch: int = 32, max_memory: int | str | None = None):
         self.lm = lm
         self.template_name = template
         self.max_tokens = max_tokens
         self.max_batch = max_batch
+        if max_memory == "auto":
+            max_memory = memory.device_free_bytes(lm.device)
+            if max_memory is not None:
+                max_memory = int(0.9 * max_memory)
+        self.max_memory = memory.parse_bytes(max_memory)
 
     @cached_property
     def template(self):
@@ -82,20 +97,106 @@ class Scorer:
     def score(self, examples: Sequence[Example]) -> list[ScoredChain]:
         return self.score_encoded([self.encode(ex) for ex in examples])
 
-    def score_encoded(self, encoded: Sequence[Encoded]) -> list[ScoredChain]:
-        out: list[ScoredChain | None] = [None] * len(encoded)
-        lengths = [self.batch_length(e) for e in encoded]
-        for idx in length_batches(lengths, self.max_tokens, self.max_batch):
-            for i, res in zip(idx, self._score_batch([encoded[i] for i in idx])):
-                out[i] = res
-        return out  # type: ignore[return-value]
+    def score_encoded(self, encoded: Sequence[Encoded],
+                      errors: str = "raise") -> list[ScoredChain | InvalidExample]:
+        """Scores in input order. errors="return" puts an InvalidExample in the place of a
+        chain that cannot be scored within max_memory instead of raising it."""
+        out: list = [None] * len(encoded)
+        groups: dict = {}
+        for i, e in enumerate(encoded):
+            groups.setdefault(self.batch_kind(e), []).append(i)
+        for members in groups.values():
+            lengths = [self.batch_length(encoded[i]) for i in members]
+            for idx in length_batches(lengths, self.max_tokens, self.max_batch):
+                self._score_fitting([members[j] for j in idx], encoded, out)
+        if errors == "raise":
+            for res in out:
+                if isinstance(res, InvalidExample):
+                    raise res
+        return out
+
+    def _score_fitting(self, idx: list[int], encoded: Sequence[Encoded], out: list) -> None:
+        batch = [encoded[i] for i in idx]
+        plan = self.plan(batch)
+        if plan is not None:
+            try:
+                results = self._score_batch(batch, plan)
+            except Exception as e:
+                if not memory.is_out_of_memory(e):
+                    raise
+                memory.release(self.lm.device)
+                if len(idx) == 1:
+                    out[idx[0]] = InvalidExample(
+                        "too_long_for_memory", f"{self.batch_length(batch[0])} tokens ran out of "
+                        f"memory even alone{self._cap_text()}: {str(e).splitlines()[0]}",
+                        batch[0].example.id)
+                    return
+                plan = None
+            else:
+                for i, res in zip(idx, results):
+                    out[i] = res
+                return
+        if len(idx) == 1:
+            out[idx[0]] = InvalidExample(
+                "too_long_for_memory", f"{self.batch_length(batch[0])} tokens need about "
+                f"{memory.gib(self.need(batch, recompute=True))} even alone{self._cap_text()}",
+                batch[0].example.id)
+            return
+        half = len(idx) // 2
+        self._score_fitting(idx[:half], encoded, out)
+        self._score_fitting(idx[half:], encoded, out)
+
+    def _cap_text(self) -> str:
+        return f", over max_memory {memory.gib(self.max_memory)}" if self.max_memory else ""
+
+    def plan(self, batch: list[Encoded]):
+        """How to run this batch within max_memory, or None to split it (or, alone, to give
+        it up). Scorers without a memory model run every batch as it comes."""
+        return True
+
+    def need(self, batch: list[Encoded], recompute: bool) -> float:
+        return 0.0
+
+    def batch_kind(self, enc: Encoded):
+        """Examples of different kinds are never batched together."""
+        return None
 
     def batch_length(self, enc: Encoded) -> int:
         """The length batches are formed by: what the scorer's passes actually run over."""
         return len(enc.source_ids)
 
-    def _score_batch(self, batch: list[Encoded]) -> list[ScoredChain]:
+    def _score_batch(self, batch: list[Encoded], plan) -> list[ScoredChain]:
         raise NotImplementedError
+
+
+class BackpropScorer(Scorer):
+    """A scorer whose passes backpropagate to the residual stream, with the memory model
+    that sizes them: `recompute` None picks per batch (stored activations where they fit,
+    per-block recomputation where only that fits), True or False forces one."""
+
+    def __init__(self, lm: LM, recompute: bool | None = None, **kwargs):
+        super().__init__(lm, **kwargs)
+        self.recompute = recompute
+
+    @cached_property
+    def footprint(self) -> memory.Footprint:
+        return memory.measure(self.lm)
+
+    def need(self, batch: list[Encoded], recompute: bool) -> float:
+        raise NotImplementedError
+
+    def plan(self, batch: list[Encoded]) -> Plan | None:
+        if self.max_memory is None:
+            return Plan(recompute=bool(self.recompute))
+        for recompute in ((False, True) if self.recompute is None else (self.recompute,)):
+            if self.need(batch, recompute) <= self.max_memory:
+                return Plan(recompute=recompute)
+        return None
+
+
+@dataclass(frozen=True)
+class Plan:
+    recompute: bool = False
 
 
 def shared_prefix(enc: Encoded) -> int:
@@ -124,18 +225,24 @@ def combine(necessity: np.ndarray | None, sufficiency: np.ndarray | None,
     return alpha * nec + (1.0 - alpha) * suf
 
 
-class MistScorer(Scorer):
-    """First-order MIST: one source pass and one no-chain pass per batch, each a forward
-    and a backward to the residual stream (no parameter gradients).
+class MistScorer(BackpropScorer):
+    """First-order MIST: one no-chain pass and one source pass per batch, each a forward
+    and a backward to the residual stream (no parameter gradients). The per-layer terms
+    are reduced as the passes produce them, so nothing beyond the passes' own memory is
+    held: Eq. 4 as each layer's gradient arrives, Eq. 5 and Eq. 6 as each layer's state
+    does (the no-chain pass runs first, so its gradients are at hand).
 
     axes: ("necessity", "sufficiency") or one of them; layers: block numbers 1..L to
-    aggregate over (default all)."""
+    aggregate over (default all); share_prefix: continue the question prefix's cached keys
+    and values in the source pass (None: where the cost model says it pays)."""
 
     method = "mist"
 
     def __init__(self, lm: LM, alpha: float = 0.6, axes: Sequence[str] = AXES,
-                 layers: Sequence[int] | None = None, **kwargs):
+                 layers: Sequence[int] | None = None, share_prefix: bool | None = None,
+                 **kwargs):
         super().__init__(lm, **kwargs)
+        self.share_prefix = share_prefix
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must lie in [0, 1], not {alpha}")
         bad = set(axes) - set(AXES)
@@ -150,73 +257,118 @@ class MistScorer(Scorer):
         if self.axes != AXES:
             self.method = self.axes[0]
 
+    def batch_kind(self, enc: Encoded) -> bool:
+        return self.shares_prefix(enc)
+
     def batch_length(self, enc: Encoded) -> int:
-        return len(enc.source_ids) - shared_prefix(enc)
+        return len(enc.source_ids) - (shared_prefix(enc) if self.shares_prefix(enc) else 0)
 
-    def _pass(self, prefix: Prefix, seqs: list[np.ndarray], spans: list[tuple[int, int]],
-              grad: bool, keep: bool = False):
-        """Continue the prefix with `seqs`; log p of each span and, with `grad`, its gradient
-        with respect to h^(l) of the selected layers. Returns (states, grads, log-likelihoods)."""
-        with trace(self.lm, grad=grad) as tr:
-            ids, out = prefix.continue_with(self.lm, seqs, keep=keep)
-            lps = span_logprobs(self.lm, out.last_hidden_state, spans, ids)
-            grads = None
-            if grad:
-                grads = torch.autograd.grad(torch.stack([lp.sum() for lp in lps]).sum(),
-                                            [tr.states[l] for l in self.layers])
-        return [s.detach() for s in tr.states], grads, [float(lp.detach().sum()) for lp in lps]
+    def shares_prefix(self, enc: Encoded) -> bool:
+        if self.share_prefix is not None:
+            return self.share_prefix and shared_prefix(enc) > 0
+        return self._prefix_pays(enc)
 
-    def _source_pass(self, batch: list[Encoded], prefix: Prefix):
-        """h^(l) at the continuation's positions and ∇_{h^(l)} log p(a|x,c), selected layers."""
-        k = prefix.lengths
-        return self._pass(prefix, [e.source_ids[n:] for e, n in zip(batch, k)],
-                          [(e.answer_start - n, e.answer_stop - n) for e, n in zip(batch, k)],
-                          grad="necessity" in self.axes, keep="sufficiency" in self.axes)
+    def _prefix_pays(self, enc: Encoded) -> bool:
+        """Whether the source pass continues the question prefix's cached keys and values
+        (saving the prefix's backward) or runs the whole input from scratch. Continuing a
+        cache needs an explicit mask, and SDPA with a mask computes every query-key pair
+        where causal attention computes half: on long chains, where attention dominates and
+        the prefix is a small share, the mask costs more than the prefix saves."""
+        P = shared_prefix(enc)
+        C = len(enc.source_ids) - P
+        config = self.lm.model.config
+        d = self.lm.unembedding.shape[1]
+        block = 4 * d * d + 3 * d * getattr(config, "intermediate_size", 4 * d)  # MACs a token
+        attention = 2 * d  # MACs per query-key pair (scores and values)
+        shared = 2 * C * block + 3 * C * (P + C) * attention
+        scratch = 2 * (P + C) * block + 3 * (P + C) * (P + C) / 2 * attention
+        return P > 0 and shared < scratch
+
+    def need(self, batch: list[Encoded], recompute: bool) -> float:
+        share = self.shares_prefix(batch[0])
+        width = max(self.batch_length(e) for e in batch)
+        P = max(shared_prefix(e) for e in batch)
+        answers = sum(e.answer_len for e in batch)
+        return self.footprint.need(len(batch) * width, recompute, prefix_positions=len(batch) * P,
+                                   mask_cells=len(batch) * width * (P + width) if share else 0,
+                                   logit_rows=answers, vocab=self.lm.unembedding.shape[0])
 
     def _target_pass(self, batch: list[Encoded], prefix: Prefix):
-        """∇ log p(a|x,∅) and h at the no-chain final position f, for the selected layers."""
+        """∇ log p(a|x,∅) and h at the no-chain final position f, for the selected layers:
+        [B, Lsel, d] each, and the log-likelihoods. Short (the answer line after the
+        cached prefix), so always with stored activations."""
         k = prefix.lengths
-        states, grads, lls = self._pass(
-            prefix, [e.target_ids[n:] for e, n in zip(batch, k)],
-            [(e.target_final + 1 - n, len(e.target_ids) - n) for e, n in zip(batch, k)], grad=True)
+        ids, kwargs = prefix.continuation(self.lm, [e.target_ids[n:] for e, n in zip(batch, k)])
         rows = torch.arange(len(batch), device=self.lm.device)
         final = torch.tensor([e.target_final - n for e, n in zip(batch, k)], device=self.lm.device)
-        g_f = torch.stack([g[rows, final] for g in grads], 1)  # [B, Lsel, d]
-        h_f = torch.stack([states[l][rows, final] for l in self.layers], 1)
-        return g_f, h_f, lls
+        h_f, g_f = {}, {}
 
-    def _score_batch(self, batch: list[Encoded]) -> list[ScoredChain]:
+        def on_grad(l, g, h):
+            g_f[l], h_f[l] = wide(g[rows, final]), wide(h[rows, final])
+
+        lls = residual_pass(self.lm, ids, [(e.target_final + 1 - n, len(e.target_ids) - n)
+                                           for e, n in zip(batch, k)],
+                            grad_layers=self.layers, on_grad=on_grad, **kwargs)
+        return (torch.stack([g_f[l] for l in self.layers], 1),
+                torch.stack([h_f[l] for l in self.layers], 1), lls)
+
+    def _score_batch(self, batch: list[Encoded], plan: Plan) -> list[ScoredChain]:
+        lm, L = self.lm, self.lm.n_layers
         # The question prefix is the same in both inputs and, under causal attention, nothing
         # after it changes it: its keys and values are computed once, without gradients.
-        prefix = Prefix.run(self.lm, [e.source_ids[:shared_prefix(e)] for e in batch])
-        states, grads, ll_src = self._source_pass(batch, prefix)
-        if "sufficiency" in self.axes:
+        prefix = Prefix.run(lm, [e.source_ids[:shared_prefix(e)] for e in batch])
+        suff, nec = "sufficiency" in self.axes, "necessity" in self.axes
+        if suff:
             g_f, h_f, ll_tgt = self._target_pass(batch, prefix)
-        sel = torch.tensor(self.layers, device=self.lm.device)
+            gh_f = (g_f * h_f).sum(-1)  # [B, Lsel]
+        share = self.shares_prefix(batch[0])
+        k = prefix.lengths if share else [0] * len(batch)
+        seqs = [e.source_ids[n:] for e, n in zip(batch, k)]
+        spans = [(e.answer_start - n, e.answer_stop - n) for e, n in zip(batch, k)]
+        if share:
+            ids, kwargs = prefix.continuation(lm, seqs)
+            kwargs["prefix_kv"] = PrefixKV(prefix.keys, prefix.values)
+        else:
+            ids, kwargs = pad(seqs, lm.pad_id, lm.device)[0], {}
+        sel = {l: i for i, l in enumerate(self.layers)}
+        w_u = wide(lm.unembedding[torch.tensor([int(e.source_ids[e.answer_start]) for e in batch],
+                                               device=lm.device)])  # [B, d]
+        proj, phi, psi = [None] * (L + 1), [None] * len(sel), [None] * len(sel)
+
+        def on_state(l, h):
+            h = wide(h)
+            proj[l] = torch.einsum("bsd,bd->bs", h, w_u)  # for Eq. 6
+            if suff and l in sel:
+                i = sel[l]
+                psi[i] = torch.einsum("bsd,bd->bs", h, g_f[:, i]) - gh_f[:, i, None]  # Eq. 5
+
+        def on_grad(l, g, h):
+            phi[sel[l]] = (wide(g) * wide(h)).sum(-1)  # Eq. 4
+
+        ll_src = residual_pass(lm, ids, spans, grad_layers=self.layers if nec else (),
+                               recompute=plan.recompute, on_state=on_state, on_grad=on_grad,
+                               **kwargs)
+        proj_t = torch.stack(proj)  # [L+1, B, S]
+        layer_idx = torch.tensor(self.layers, device=lm.device)
         out = []
         for b, enc in enumerate(batch):
-            cs = enc.chain_start - prefix.lengths[b]
+            cs = enc.chain_start - k[b]
             ce = cs + enc.chain_len
-            H = wide(torch.stack([s[b, cs:ce] for s in states]))  # [L+1, T, d], h^(0..L)
-            w_u = wide(self.lm.unembedding[int(enc.source_ids[enc.answer_start])])
-            proj = H @ w_u  # [L+1, T]
-            cbar = (proj[1:] - proj[:-1]).mean(1)[sel - 1]  # Eq. 6, [Lsel]
-            H_sel = H[sel]
+            p = proj_t[:, b, cs:ce]
+            cbar = (p[1:] - p[:-1]).mean(1)[layer_idx - 1]  # Eq. 6, [Lsel]
             fields = {"layer_weights": cbar, "layers": np.asarray(self.layers),
                       "log_likelihood": ll_src[b]}
-            if "necessity" in self.axes:
-                G = wide(torch.stack([g[b, cs:ce] for g in grads]))
-                phi = (G * H_sel).sum(-1)  # Eq. 4, [Lsel, T]
-                fields.update(necessity_per_layer=phi,
-                              necessity=(cbar[:, None] * phi.abs()).sum(0))  # Eq. 7
-            if "sufficiency" in self.axes:
-                g, h = wide(g_f[b]), wide(h_f[b])  # [Lsel, d]
-                psi = torch.einsum("ltd,ld->lt", H_sel, g) - (g * h).sum(-1)[:, None]  # Eq. 5
-                fields.update(sufficiency_per_layer=psi,
-                              sufficiency=(cbar[:, None] * psi.abs()).sum(0),  # Eq. 7
+            if nec:
+                per_layer = torch.stack([x[b, cs:ce] for x in phi])
+                fields.update(necessity_per_layer=per_layer,
+                              necessity=(cbar[:, None] * per_layer.abs()).sum(0))  # Eq. 7
+            if suff:
+                per_layer = torch.stack([x[b, cs:ce] for x in psi])
+                fields.update(sufficiency_per_layer=per_layer,
+                              sufficiency=(cbar[:, None] * per_layer.abs()).sum(0),  # Eq. 7
                               nochain_log_likelihood=ll_tgt[b])
-            fields = {k: v.detach().cpu().double().numpy() if torch.is_tensor(v) else v
-                      for k, v in fields.items()}
+            fields = {k_: v.detach().cpu().double().numpy() if torch.is_tensor(v) else v
+                      for k_, v in fields.items()}
             scores = combine(fields.get("necessity"), fields.get("sufficiency"), self.alpha)
             out.append(ScoredChain.from_encoded(enc, self.method, scores, **fields))
         return out

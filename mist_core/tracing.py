@@ -5,7 +5,6 @@ and h^(l) the output of block l. When gradients are wanted, h^(0) is re-made a l
 requires grad, so every later h^(l) carries a graph while the parameters need none."""
 from __future__ import annotations
 
-import copy
 import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -79,11 +78,16 @@ def pad(seqs: list[np.ndarray], pad_id: int, device) -> tuple[torch.Tensor, torc
     return torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
 
 
-def run_base(lm: LM, ids: torch.Tensor, mask: torch.Tensor, **kwargs):
+def run_base(lm: LM, ids: torch.Tensor, mask: torch.Tensor | None = None, **kwargs):
     """The decoder without its LM head: `.last_hidden_state` is the final-norm output
-    [B, S, d]; logits are left to the caller, who computes them only where needed."""
+    [B, S, d]; logits are left to the caller, who computes them only where needed.
+    No mask means pure causal attention: right padding needs none, since real positions
+    never see the pads after them, and SDPA then takes its causal kernels, which skip the
+    masked half and materialise no [S, S] mask."""
     kwargs.setdefault("use_cache", False)
-    return lm.base(input_ids=ids, attention_mask=mask, **kwargs)
+    if mask is not None:
+        kwargs["attention_mask"] = mask
+    return lm.base(input_ids=ids, **kwargs)
 
 
 def cache_kwarg(lm: LM) -> str:
@@ -97,19 +101,18 @@ class Prefix:
     """Key/value states of a batch of right-padded prefixes, computed once without
     gradients and shared by the passes that continue them."""
 
-    cache: object
+    keys: list | None  # per layer [B, kv_heads, width, head_dim]
+    values: list | None
     lengths: list[int]
     mask: torch.Tensor
 
     @classmethod
     def run(cls, lm: LM, prefixes: list[np.ndarray]) -> "Prefix":
         """Prefixes are run in groups of similar length (padding wastes little), then their
-        keys and values are laid side by side, right-padded, in one cache for the batch."""
+        keys and values are laid side by side, right-padded, for the whole batch."""
         lengths = [len(p) for p in prefixes]
         width = max(lengths)
         mask = torch.zeros(len(prefixes), width, dtype=torch.int64, device=lm.device)
-        if width == 0:
-            return cls(None, lengths, mask)
         keys = values = None
         for group in similar_lengths(lengths):
             n = max(lengths[i] for i in group)
@@ -117,7 +120,7 @@ class Prefix:
                 continue
             ids, gmask = pad([prefixes[i] for i in group], lm.pad_id, lm.device)
             with torch.no_grad():
-                out = run_base(lm, ids, gmask, use_cache=True)
+                out = run_base(lm, ids, attention_mask=gmask, use_cache=True)
             layers = (getattr(out, "cache", None) or out.past_key_values).layers
             if keys is None:
                 keys = [layer.keys.new_zeros((len(prefixes), layer.keys.shape[1], width,
@@ -128,21 +131,23 @@ class Prefix:
             for l, layer in enumerate(layers):
                 keys[l][rows, :, :n] = layer.keys
                 values[l][rows, :, :n] = layer.values
-        from transformers import DynamicCache
+        return cls(keys, values, lengths, mask)
 
-        return cls(DynamicCache(list(zip(keys, values)), config=lm.model.config), lengths, mask)
-
-    def continue_with(self, lm: LM, seqs: list[np.ndarray], keep: bool = False):
-        """Run the continuations; `keep` leaves this prefix's cache untouched (the pass
-        appends to the cache it is given) so that another pass can continue it too."""
+    def continuation(self, lm: LM, seqs: list[np.ndarray]) -> tuple[torch.Tensor, dict]:
+        """Padded ids of the continuations and the base model's arguments that continue this
+        prefix: positions, the joint padding mask and a fresh cache (a pass appends to the
+        cache it is given, so each pass gets its own)."""
         ids, mask = pad(seqs, lm.pad_id, lm.device)
         start = torch.tensor(self.lengths, device=lm.device)[:, None]
-        positions = start + torch.arange(ids.shape[1], device=lm.device)[None]
-        kwargs = {"position_ids": positions}
-        if self.cache is not None:
-            kwargs[cache_kwarg(lm)] = copy.deepcopy(self.cache) if keep else self.cache
+        kwargs = {"position_ids": start + torch.arange(ids.shape[1], device=lm.device)[None],
+                  "attention_mask": torch.cat([self.mask, mask], 1)}
+        if self.keys is not None:
+            from transformers import DynamicCache
+
+            kwargs[cache_kwarg(lm)] = DynamicCache(list(zip(self.keys, self.values)),
+                                                   config=lm.model.config)
             kwargs["use_cache"] = True
-        return ids, run_base(lm, ids, torch.cat([self.mask, mask], 1), **kwargs)
+        return ids, kwargs
 
 
 def span_logprobs(lm: LM, hidden: torch.Tensor, spans: list[tuple[int, int]],

@@ -1,0 +1,113 @@
+"""A forward pass and a backward pass to the residual stream, in two memory regimes.
+
+- stored: one forward that keeps autograd's graph, then one backward. The fastest; its
+  memory is every block's saved activations, O(L · T · a block's activations per token).
+- recomputed: a forward without a graph that keeps only h^(0..L), then a backward block by
+  block from the top, each block rerun with a graph just before its own backward. One more
+  forward of work; memory O(L · T · d) for the states plus one block's activations.
+
+Both give the same numbers. Callers see the states and the gradients through callbacks, layer
+by layer, so that neither the gradients of all layers nor anything beyond the pass itself is
+ever held at once."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from .models import LM
+from .tracing import _hidden, run_base, span_logprobs, trace
+
+# on_state(l, h): h = h^(l) [B, S, d], detached, called for l = 0..L after the forward.
+# on_grad(l, g, h): g = ∇_{h^(l)} Σ_rows log p(span), h = h^(l), for each l in grad_layers.
+OnState = Callable[[int, torch.Tensor], None]
+OnGrad = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+class PrefixKV:
+    """What a block's attention reads of a prefix cache when the block is rerun: the prefix
+    keys and values of its layer joined to the new ones. Nothing is stored, so a block can be
+    rerun any number of times (a transformers cache appends at every call)."""
+
+    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]):
+        self.keys, self.values = keys, values
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return (torch.cat([self.keys[layer_idx], key_states], -2),
+                torch.cat([self.values[layer_idx], value_states], -2))
+
+
+def residual_pass(lm: LM, ids: torch.Tensor, spans: list[tuple[int, int]], *,
+                  grad_layers: Sequence[int] = (), recompute: bool = False,
+                  on_state: OnState | None = None, on_grad: OnGrad | None = None,
+                  prefix_kv: PrefixKV | None = None, **base_kwargs) -> list[float]:
+    """Run the decoder on `ids` (extra arguments go to the base model: attention_mask,
+    position_ids, a prefix cache), score log p(ids[b, span_b]) and backpropagate it to the
+    residual stream of `grad_layers` (block numbers 1..L). Returns each row's log p.
+
+    `prefix_kv`: the prefix's keys/values, needed with `recompute` when a cache is passed."""
+    grad_layers = sorted(set(grad_layers))
+    if recompute and grad_layers:
+        return _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs)
+    with trace(lm, grad=bool(grad_layers)) as tr:
+        out = run_base(lm, ids, **base_kwargs)
+        lps = span_logprobs(lm, out.last_hidden_state, spans, ids)
+        del out
+        if on_state:
+            for l, h in enumerate(tr.states):
+                on_state(l, h.detach())
+        if grad_layers:
+            handles = [tr.states[l].register_hook(_grad_hook(on_grad, l, tr.states[l].detach()))
+                       for l in grad_layers]
+            try:
+                torch.autograd.grad(_total(lps), [tr.states[grad_layers[0]]])
+            finally:
+                for h in handles:
+                    h.remove()
+    return [float(lp.detach().sum()) for lp in lps]
+
+
+def _grad_hook(on_grad: OnGrad | None, layer: int, h: torch.Tensor):
+    def hook(g):
+        if on_grad:
+            on_grad(layer, g, h)
+    return hook
+
+
+def _total(lps: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([lp.sum() for lp in lps]).sum()
+
+
+def _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs):
+    with trace(lm, capture_inputs=True) as tr, torch.no_grad():
+        run_base(lm, ids, **base_kwargs)
+    states = tr.states
+    if on_state:
+        for l, h in enumerate(states):
+            on_state(l, h)
+    L = lm.n_layers
+    with torch.enable_grad():
+        top = states[L].detach().requires_grad_(True)
+        lps = span_logprobs(lm, lm.final_norm(top), spans, ids)
+        (g,) = torch.autograd.grad(_total(lps), [top])
+    del top
+    if L in grad_layers and on_grad:
+        on_grad(L, g, states[L])
+    for l in range(L, grad_layers[0], -1):  # block l maps h^(l-1) to h^(l)
+        args, kwargs = tr.block_inputs[l - 1]
+        if prefix_kv is None and any(_is_cache(v) for v in kwargs.values()):
+            raise ValueError("rerunning a block over a prefix cache needs prefix_kv")
+        kwargs = {k: (prefix_kv if _is_cache(v) else v) for k, v in kwargs.items()}
+        with torch.enable_grad():
+            h_in = states[l - 1].detach().requires_grad_(True)
+            out = _hidden(lm.blocks[l - 1](h_in, *args, **kwargs))
+            (g,) = torch.autograd.grad(out, [h_in], g)
+        del out, h_in
+        states[l] = None  # no longer needed: frees its memory as the backward descends
+        if l - 1 in grad_layers and on_grad:
+            on_grad(l - 1, g, states[l - 1])
+    return [float(lp.detach().sum()) for lp in lps]
+
+
+def _is_cache(v) -> bool:
+    return hasattr(v, "update") and hasattr(v, "get_seq_length")

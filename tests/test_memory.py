@@ -1,0 +1,176 @@
+"""The scorer's memory regimes: stored activations or per-block recomputation, a prefix cache
+or a from-scratch source pass, all with the same numbers; batches that run out of memory are
+split, and only a chain that cannot fit alone is given up, with its reason."""
+import numpy as np
+import pytest
+import torch
+
+from mist_core import InvalidExample, MistScorer
+from mist_core.baselines import GoGIScorer
+from mist_core.memory import Footprint, measure, parse_bytes
+from pipelines.bench import synthetic_encoded
+from reference import first_order
+
+FIELDS = ["necessity_per_layer", "sufficiency_per_layer", "layer_weights", "necessity",
+          "sufficiency", "scores", "log_likelihood", "nochain_log_likelihood"]
+REGIMES = [(share, recompute) for share in (True, False) for recompute in (False, True)]
+
+
+def long_model(arch: str, dtype=torch.float64, vocab: int = 400):
+    """A tiny model with a context long enough for 1,000-token chains."""
+    from conftest import full_precision_norms, make_model
+    from mist_core.models import wrap_model
+
+    model = make_model(arch, vocab, dtype=dtype)
+    model.config.max_position_embeddings = 2048
+    model.model.rotary_emb.__init__(model.config)  # rebuild the rotary table for the new length
+    if dtype == torch.float64:
+        full_precision_norms(model)
+    return wrap_model(model, None, f"tiny-{arch}-long")
+
+
+@pytest.mark.parametrize("share,recompute", REGIMES, ids=[f"share={s}-recompute={r}" for s, r in REGIMES])
+def test_every_regime_equals_plain_autograd_fp64(tiny_lm64, examples, share, recompute):
+    scorer = MistScorer(tiny_lm64, share_prefix=share, recompute=recompute, max_batch=8)
+    for ex, got in zip(examples, scorer.score(examples)):
+        ref = first_order(tiny_lm64, scorer.encode(ex))
+        for name in FIELDS:
+            np.testing.assert_allclose(getattr(got, name), ref[name], rtol=1e-5, atol=1e-9,
+                                       err_msg=name)
+        assert np.abs(got.necessity_per_layer).max() > 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_long_chains_every_regime_agrees_with_the_reference_fp32(arch):
+    """1,000-token chains in fp32, batched with a shorter one: the regimes agree with the
+    independent computation to 1e-5 of each field's scale."""
+    lm = long_model(arch, dtype=torch.float32)
+    encs = synthetic_encoded(2, 900, vocab=400, seed=1)
+    refs = [first_order(lm, e) for e in encs]
+    for share, recompute in REGIMES:
+        got = MistScorer(lm, share_prefix=share, recompute=recompute, max_batch=8,
+                         max_tokens=8192).score_encoded(encs)
+        for g, ref in zip(got, refs):
+            for name in ["necessity_per_layer", "sufficiency_per_layer", "layer_weights"]:
+                scale = np.abs(ref[name]).max()
+                np.testing.assert_allclose(getattr(g, name), ref[name], rtol=1e-4, atol=1e-5 * scale,
+                                           err_msg=f"{name} share={share} recompute={recompute}")
+
+
+def test_the_cost_model_runs_long_chains_from_scratch(tiny_lm):
+    short = synthetic_encoded(1, 20, vocab=300, seed=0)[0]
+    scorer = MistScorer(tiny_lm)
+    assert scorer.shares_prefix(short)
+    lm = long_model("llama", dtype=torch.float32)
+    long = synthetic_encoded(1, 1500, vocab=400, seed=0)[0]
+    assert not MistScorer(lm).shares_prefix(long)
+
+
+def test_gogi_recomputed_equals_stored(tiny_lm64, examples):
+    stored = GoGIScorer(tiny_lm64, recompute=False).score(examples)
+    recomputed = GoGIScorer(tiny_lm64, recompute=True).score(examples)
+    for a, b in zip(stored, recomputed):
+        np.testing.assert_allclose(b.scores, a.scores, rtol=1e-9)
+        assert a.scores.max() > 0
+
+
+def test_the_cap_picks_recomputation_only_where_needed(tiny_lm):
+    encs = synthetic_encoded(4, 60, vocab=300, seed=2)
+    scorer = MistScorer(tiny_lm, max_memory=10**9)
+    batch = encs[:1]
+    stored, recomputed = scorer.need(batch, False), scorer.need(batch, True)
+    assert recomputed < stored  # the tiny model has 4 layers: states are cheaper than the graph
+    assert not scorer.plan(batch).recompute
+    scorer.max_memory = int((stored + recomputed) / 2)
+    assert scorer.plan(batch).recompute
+    scorer.max_memory = int(recomputed / 2)
+    assert scorer.plan(batch) is None
+
+
+def test_footprint_is_measured_per_token(tiny_lm):
+    fp = measure(tiny_lm)
+    d, L = tiny_lm.unembedding.shape[1], tiny_lm.n_layers
+    assert fp.state == (L + 1) * d * 4
+    # a block saves several [d]-sized tensors per token (norm input, q, k, v, MLP halves, …)
+    assert 4 * d * 4 < fp.block < 200 * d * 4
+    assert fp.stored == pytest.approx(fp.block * L)
+
+
+def test_a_chain_that_cannot_fit_alone_is_given_up_with_its_reason(tiny_lm64):
+    tiny_lm = tiny_lm64
+    encs = synthetic_encoded(3, 30, vocab=300, seed=4)
+    encs[1] = synthetic_encoded(1, 180, vocab=300, seed=5)[0]
+    probe = MistScorer(tiny_lm)
+    cap = int(probe.need([encs[0]], True) * 1.5)
+    assert probe.need([encs[1]], True) > cap
+    scorer = MistScorer(tiny_lm, max_memory=cap)
+    got = scorer.score_encoded(encs, errors="return")
+    assert isinstance(got[1], InvalidExample) and got[1].reason == "too_long_for_memory"
+    n = scorer.batch_length(encs[1])
+    assert f"{n} tokens" in got[1].detail and "max_memory" in got[1].detail
+    alone = MistScorer(tiny_lm).score_encoded([encs[0], encs[2]])
+    for a, b in zip(alone, [got[0], got[2]]):
+        np.testing.assert_allclose(b.scores, a.scores, rtol=1e-9, atol=1e-9)
+    with pytest.raises(InvalidExample, match="too_long_for_memory"):
+        scorer.score_encoded(encs)
+
+
+class OOMOnce:
+    """Raises an out-of-memory error for any batch holding more than `limit` chains."""
+
+    def __init__(self, scorer, limit):
+        self.inner, self.limit, self.sizes = scorer._score_batch, limit, []
+        scorer._score_batch = self
+
+    def __call__(self, batch, plan):
+        self.sizes.append(len(batch))
+        if len(batch) > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.inner(batch, plan)
+
+
+def test_a_batch_that_runs_out_of_memory_is_split_and_retried(tiny_lm64):
+    encs = synthetic_encoded(6, 20, vocab=300, seed=6)
+    scorer = MistScorer(tiny_lm64, max_batch=8, max_tokens=10**6)
+    inject = OOMOnce(scorer, limit=2)
+    got = scorer.score_encoded(encs)
+    assert inject.sizes[0] == 6 and max(s for s in inject.sizes[1:]) <= 3 and min(inject.sizes) <= 2
+    alone = [MistScorer(tiny_lm64).score_encoded([e])[0] for e in encs]
+    for a, b in zip(alone, got):
+        assert a.id == b.id
+        np.testing.assert_allclose(b.scores, a.scores, rtol=1e-9, atol=1e-9)
+
+
+def test_out_of_memory_alone_is_a_reject_not_a_crash(tiny_lm):
+    encs = synthetic_encoded(3, 20, vocab=300, seed=7)
+    scorer = MistScorer(tiny_lm, max_batch=8)
+    OOMOnce(scorer, limit=0)
+    got = scorer.score_encoded(encs, errors="return")
+    assert all(isinstance(g, InvalidExample) and g.reason == "too_long_for_memory" for g in got)
+    assert "ran out of memory even alone" in got[0].detail
+
+
+def test_other_errors_are_not_taken_for_out_of_memory(tiny_lm):
+    scorer = MistScorer(tiny_lm)
+
+    def boom(batch, plan):
+        raise RuntimeError("shape mismatch")
+
+    scorer._score_batch = boom
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        scorer.score_encoded(synthetic_encoded(2, 10, vocab=300))
+
+
+def test_parse_bytes():
+    assert parse_bytes("1GB") == parse_bytes("1GiB") == parse_bytes("1g") == 2**30
+    assert parse_bytes("512MB") == 512 * 2**20
+    assert parse_bytes("1.5G") == int(1.5 * 2**30)
+    assert parse_bytes("1000") == 1000 and parse_bytes(None) is None
+    with pytest.raises(ValueError, match="memory size"):
+        parse_bytes("lots")
+
+
+def test_need_grows_with_positions():
+    fp = Footprint(stored=1000.0, block=100.0, state=50.0, kv=10.0)
+    assert fp.need(200, False) == pytest.approx(2 * fp.need(100, False))
+    assert fp.need(100, True) < fp.need(100, False)
