@@ -124,11 +124,20 @@ def generic(question: str = "question", cot: str = "cot", answer: str = "answer"
     return adapt
 
 
-def get_adapter(name: str, **columns: str) -> Callable[[Mapping], Example]:
+# The long-CoT corpora's adapters live in mist_core.longcot.
+ADAPTERS = ("gsm8k", "math", "generic", "openr1", "openthoughts", "s1k", "messages")
+
+
+def get_adapter(name: str, **columns: str) -> Callable[[Mapping], Example | list[Example]]:
+    """A row -> its Example; `openr1` gives a list (one Example per usable generation)."""
     if name == "gsm8k":
         return gsm8k
     if name == "math":
         return math
     if name == "generic":
         return generic(**columns)
-    raise ValueError(f"unknown adapter {name!r}: use gsm8k, math or generic")
+    if name in ADAPTERS:
+        from . import longcot
+
+        return getattr(longcot, name)
+    raise ValueError(f"unknown adapter {name!r}: use {', '.join(ADAPTERS)}")

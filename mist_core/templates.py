@@ -72,6 +72,12 @@ class Template:
         """The text before the assistant's content (chain, answer line) for this question."""
         raise NotImplementedError
 
+    def frame(self, question: str) -> tuple[str, str, str]:
+        """The text before the chain, the text between the chain and the answer line, and
+        the no-chain input's text before its answer line."""
+        before = self.prefix(question)
+        return before, "\n\n", before
+
     def _tokenize(self, text: str):
         enc = self.tokenizer(text, add_special_tokens=self.add_special_tokens,
                              return_offsets_mapping=True)
@@ -79,9 +85,9 @@ class Template:
                                                                          dtype=np.int64)
 
     def encode(self, ex: Example) -> Encoded:
-        before = self.prefix(ex.question)
+        before, between, nochain = self.frame(ex.question)
         chain_at = len(before)
-        full = before + ex.cot + "\n\n" + ANSWER_LEAD
+        full = before + ex.cot + between + ANSWER_LEAD
         answer_at = len(full)
         full += ex.answer
         ids, offsets = self._tokenize(full)
@@ -98,7 +104,7 @@ class Template:
                                  f"{self.max_length}", ex.id)
         ids = ids[: answer[-1] + 1]
 
-        nochain = before + ANSWER_LEAD
+        nochain += ANSWER_LEAD
         t_answer_at = len(nochain)
         nochain += ex.answer
         t_ids, t_offsets = self._tokenize(nochain)
@@ -129,6 +135,39 @@ class ChatTemplate(Template):
         return text.split(_COT)[0]
 
 
+class ThinkTemplate(Template):
+    """Reasoning models whose chat template has a thinking block (Qwen3, DeepSeek-R1
+    distills): the chain is the inside of the assistant's thinking block and the answer line
+    follows the block, as the model writes them. The no-chain input keeps an empty block
+    (what Qwen3 renders with thinking off), so the answer line stays where it always is."""
+
+    name = "think"
+
+    def frame(self, question: str) -> tuple[str, str, str]:
+        user = [{"role": "user", "content": question}]
+        turn = {"role": "assistant", "content": f"<think>\n{_COT}\n</think>\n\n{_ANS}"}
+        text = self.tokenizer.apply_chat_template(user + [turn], tokenize=False)
+        if text.count(_COT) == 1 and text.count(_ANS) == 1:
+            before, rest = text.split(_COT)
+            between = rest.split(_ANS)[0]
+            if "<think>" in before and "</think>" in between:  # the model's own rendering
+                return before, between, before + between
+        # Templates that drop the thinking from a rendered turn (DeepSeek-R1 distills keep
+        # only what follows </think>): the generation prompt, with the block opened where the
+        # prompt does not open it already.
+        before = self.tokenizer.apply_chat_template(user, tokenize=False,
+                                                    add_generation_prompt=True)
+        if not before.rstrip("\n").endswith("<think>"):
+            before += "<think>\n"
+        elif not before.endswith("\n"):
+            before += "\n"
+        between = "\n</think>\n\n"
+        return before, between, before + between
+
+    def prefix(self, question: str) -> str:
+        return self.frame(question)[0]
+
+
 class PlainTemplate(Template):
     """A plain-text prompt, for base models."""
 
@@ -139,12 +178,24 @@ class PlainTemplate(Template):
         return f"Question: {question}\nSolution:\n"
 
 
+TEMPLATES = ("auto", "chat", "plain", "think")
+
+
+def has_thinking(tokenizer) -> bool:
+    """Whether the tokenizer's chat template handles a `<think>…</think>` block."""
+    return "</think>" in str(getattr(tokenizer, "chat_template", None) or "")
+
+
 def get_template(name: str, tokenizer, max_length: int | None = None) -> Template:
-    """`auto` takes the chat template where the tokenizer has one, else the plain one."""
+    """`auto` takes the thinking template where the tokenizer's chat template has a thinking
+    block, else the chat template where it has one, else the plain one."""
     if name == "auto":
-        name = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
+        name = ("think" if has_thinking(tokenizer) else "chat"
+                if getattr(tokenizer, "chat_template", None) else "plain")
     if name == "chat":
         return ChatTemplate(tokenizer, max_length)
+    if name == "think":
+        return ThinkTemplate(tokenizer, max_length)
     if name == "plain":
         return PlainTemplate(tokenizer, max_length)
-    raise ValueError(f"unknown template {name!r}: use auto, chat or plain")
+    raise ValueError(f"unknown template {name!r}: use {', '.join(TEMPLATES)}")

@@ -30,8 +30,10 @@ import pyarrow as pa
 import ray
 
 from mist_core.errors import InvalidExample, MissingDependency, UnsupportedModel
+from mist_core.examples import ADAPTERS
 from mist_core.formats import budget_label
 from mist_core.taxonomy import TYPES
+from mist_core.templates import TEMPLATES
 
 from . import stages
 from .config import ConfigError, parse_actors, parse_columns, parse_floats
@@ -379,7 +381,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                    help="corpus files or folders (local, s3://, gs://), hf://name[@split] or "
                         "demo[:N], as for the compression job")
     p.add_argument("--format", default=d.format, choices=("auto", "jsonl", "parquet"))
-    p.add_argument("--adapter", default=d.adapter, choices=("gsm8k", "math", "generic"))
+    p.add_argument("--adapter", default=d.adapter, choices=ADAPTERS)
     p.add_argument("--columns", default="", help="generic adapter's columns, e.g. question=q,cot=c")
     p.add_argument("--model", default=d.model, help=f"model spec (default: {d.model})")
     p.add_argument("--methods", default=",".join(d.methods),
@@ -390,7 +392,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed, help="sample and uniform-baseline seed")
     p.add_argument("--unit", default=d.unit, choices=("token", "word"),
                    help="prune single tokens (the paper's ⌈γT⌉, default) or whole words")
-    p.add_argument("--template", default=d.template, choices=("auto", "chat", "plain"))
+    p.add_argument("--template", default=d.template, choices=TEMPLATES)
     p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--alpha", type=float, default=d.alpha)
     p.add_argument("--style", default=d.style, choices=("auto", "gsm8k", "math"),

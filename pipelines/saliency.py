@@ -18,7 +18,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from mist_core.examples import ADAPTERS
 from mist_core.formats import budget_label
+from mist_core.templates import TEMPLATES
 
 from . import stages
 from .config import ConfigError, parse_columns, parse_floats
@@ -182,14 +184,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipelines.saliency", description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="+", required=True)
     p.add_argument("--format", default="auto", choices=("auto", "jsonl", "parquet"))
-    p.add_argument("--adapter", default="generic", choices=("gsm8k", "math", "generic"))
+    p.add_argument("--adapter", default="generic", choices=ADAPTERS)
     p.add_argument("--columns", default="")
     p.add_argument("--row", type=int, default=1, help="1-based row of the chain (default: 1)")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--budgets", default="0.3,0.5,0.7,0.9")
     p.add_argument("--unit", default="token", choices=("token", "word"))
     p.add_argument("--alpha", type=float, default=0.6)
-    p.add_argument("--template", default="auto", choices=("auto", "chat", "plain"))
+    p.add_argument("--template", default="auto", choices=TEMPLATES)
     p.add_argument("--out", default="docs/results", help="folder for saliency.html and saliency.png")
     a = p.parse_args(argv)
     from mist_core import load_model
