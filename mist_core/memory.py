@@ -24,16 +24,24 @@ class Footprint:
     stored: float  # what autograd keeps for the backward of a whole pass
     block: float  # the same for one block: what a recomputed backward holds at a time
     state: float  # h^(0..L) of one position: what a recomputed backward keeps throughout
+    transient: float  # a block's temporaries in its forward (q, k, v, the MLP's halves, …)
     kv: float  # one position's keys and values over all layers (a prefix cache)
+
+    # What the process holds beyond the tensors counted: the allocator's free pieces, which
+    # the next pass may not fit into. Measured against peak RSS on SmolLM2-135M-Instruct, CPU,
+    # 1k-8k tokens (docs/results/performance.md).
+    OVERHEAD = 1.25
+
+    def per_token(self, recompute: bool) -> float:
+        """Bytes per token position: the states (recomputed) or the whole graph (stored),
+        plus one block's saved activations and gradients and its temporaries."""
+        return (self.state if recompute else self.stored) + 2 * self.block + self.transient
 
     def need(self, positions: int, recompute: bool, prefix_positions: int = 0,
              mask_cells: int = 0, logit_rows: int = 0, vocab: int = 0) -> float:
-        """Bytes a pass over `positions` (padded) token positions takes beyond the model.
-        The block term counts twice: one block's saved activations plus the temporaries of
-        the block being run (the MLP's intermediate above all) and of its backward."""
-        per_token = self.state + 2 * self.block if recompute else self.stored + 2 * self.block
+        """Bytes a pass over `positions` (padded) token positions takes beyond the model."""
         fixed = prefix_positions * self.kv + mask_cells + 3 * 4 * logit_rows * vocab
-        return 1.1 * (positions * per_token + fixed)
+        return self.OVERHEAD * (positions * self.per_token(recompute) + fixed)
 
 
 def measure(lm: LM, tokens: int = 64) -> Footprint:
@@ -72,17 +80,24 @@ def measure(lm: LM, tokens: int = 64) -> Footprint:
     head_dim = getattr(config, "head_dim", None) or d // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     L = lm.n_layers
+    inter = getattr(config, "intermediate_size", 4 * d)
+    qkv = (heads + 2 * kv_heads) * head_dim
     return Footprint(stored=stored, block=stored / L, state=(L + 1) * d * elt,
+                     transient=elt * (4 * inter + 4 * d + 3 * qkv),
                      kv=2 * L * kv_heads * head_dim * elt)
 
 
-def device_free_bytes(device: torch.device) -> int | None:
-    """Free accelerator memory now (after the model is loaded), or None on CPU, where the
-    process shares the machine and the cap must be given."""
+def auto_cap(device: torch.device) -> int:
+    """The cap `max_memory="auto"` means: 90% of the GPU's free memory once the model is
+    loaded; on CPU 60% of the memory the machine has available now (the process shares the
+    machine, and there the operating system, not an exception, answers an allocation that
+    does not fit)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    return None
+        return int(0.9 * free)
+    import psutil
+
+    return int(0.6 * psutil.virtual_memory().available)
 
 
 def is_out_of_memory(e: BaseException) -> bool:

@@ -64,26 +64,27 @@ class Scorer:
     batching is by token budget over length-sorted examples, and results come back in
     input order.
 
-    max_memory: the most bytes the scorer's passes may take beyond the loaded model (None:
-    no cap; on a GPU, "auto" takes the device's free memory once the model is loaded).
+    max_memory: the most bytes the scorer's passes may take beyond the loaded model: a
+    number, a size such as "6GB", None for no cap, or "auto" (the default): 90% of a GPU's
+    free memory once the model is loaded, 60% of the memory a CPU machine has available.
     Within it a scorer that backpropagates picks its batches and, where a batch would not
     fit otherwise, recomputes each block in the backward instead of storing its activations.
     A batch that runs out of memory all the same is split in two and retried; a chain that
-    cannot fit alone fails with InvalidExample (reason `too_long_for_memory`)."""
+    cannot fit alone fails with InvalidExample (reason `too_long_for_memory`).
+
+    max_tokens: padded token positions per forward pass; "auto": as many as max_memory
+    holds with stored activations (4096 without a cap)."""
 
     method = "base"
 
-    def __init__(self, lm: LM, template: str = "auto", max_tokens: int = 4096,
-                 max_batch: int = 32, max_memory: int | str | None = None):
+    def __init__(self, lm: LM, template: str = "auto", max_tokens: int | str = 4096,
+                 max_batch: int = 32, max_memory: int | str | None = "auto"):
         self.lm = lm
         self.template_name = template
         self.max_tokens = max_tokens
         self.max_batch = max_batch
-        if max_memory == "auto":
-            max_memory = memory.device_free_bytes(lm.device)
-            if max_memory is not None:
-                max_memory = int(0.9 * max_memory)
-        self.max_memory = memory.parse_bytes(max_memory)
+        self.max_memory = memory.auto_cap(lm.device) if max_memory == "auto" else \
+            memory.parse_bytes(max_memory)
 
     @cached_property
     def template(self):
@@ -107,7 +108,7 @@ class Scorer:
             groups.setdefault(self.batch_kind(e), []).append(i)
         for members in groups.values():
             lengths = [self.batch_length(encoded[i]) for i in members]
-            for idx in length_batches(lengths, self.max_tokens, self.max_batch):
+            for idx in length_batches(lengths, self.token_budget(), self.max_batch):
                 self._score_fitting([members[j] for j in idx], encoded, out)
         if errors == "raise":
             for res in out:
@@ -149,6 +150,9 @@ class Scorer:
     def _cap_text(self) -> str:
         return f", over max_memory {memory.gib(self.max_memory)}" if self.max_memory else ""
 
+    def token_budget(self) -> int:
+        return 4096 if self.max_tokens == "auto" else int(self.max_tokens)
+
     def plan(self, batch: list[Encoded]):
         """How to run this batch within max_memory, or None to split it (or, alone, to give
         it up). Scorers without a memory model run every batch as it comes."""
@@ -184,6 +188,12 @@ class BackpropScorer(Scorer):
 
     def need(self, batch: list[Encoded], recompute: bool) -> float:
         raise NotImplementedError
+
+    def token_budget(self) -> int:
+        if self.max_tokens != "auto" or self.max_memory is None:
+            return super().token_budget()
+        fp = self.footprint
+        return max(1, int(self.max_memory / (fp.OVERHEAD * fp.per_token(recompute=False))))
 
     def plan(self, batch: list[Encoded]) -> Plan | None:
         if self.max_memory is None:

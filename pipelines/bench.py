@@ -34,17 +34,19 @@ GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 SHAPES = {
     "qwen2.5-1.5b": dict(arch="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, vocab_size=151936),
+    "qwen2.5-7b": dict(arch="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064),
     "tiny": dict(arch="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
 }
 PEAK_FLOPS = {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}  # H200 SXM, dense
 
 
-def random_model(shape: str, dtype: str, device: str):
+def random_model(shape: str, dtype: str, device: str, context: int = 4096):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = dict(SHAPES[shape])
-    config = AutoConfig.for_model(spec.pop("arch"), max_position_embeddings=4096,
+    config = AutoConfig.for_model(spec.pop("arch"), max_position_embeddings=context,
                                   tie_word_embeddings=False, **spec)
     torch.manual_seed(0)
     with torch.device(device):
@@ -104,6 +106,16 @@ def plain_forward(lm, encoded, batches, head: bool):
             (lm.model if head else lm.base)(input_ids=ids, attention_mask=mask, use_cache=False)
 
 
+def fair_forward(lm, encoded, batch: int = 8):
+    """The forward a user would write: the full inputs in length-sorted batches of `batch`,
+    through the whole model, logits at every position included."""
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].source_ids))
+    with torch.no_grad():
+        for j in range(0, len(order), batch):
+            ids, mask = pad([encoded[i].source_ids for i in order[j:j + batch]], lm.pad_id, lm.device)
+            lm.model(input_ids=ids, attention_mask=mask, use_cache=False)
+
+
 class PositionCounter:
     """Counts the positions the blocks compute while active (padding included)."""
 
@@ -159,12 +171,13 @@ def bench(args) -> dict:
         encoded = synthetic_encoded(args.synthetic, args.chain_tokens, lm.model.config.vocab_size)
     else:
         encoded = gsm8k_encoded(scorer, args.chains, Path(args.corpus))
-    batches = length_batches([scorer.batch_length(e) for e in encoded], scorer.max_tokens, scorer.max_batch)
+    batches = length_batches([scorer.batch_length(e) for e in encoded], scorer.token_budget(), scorer.max_batch)
     warm = batches[:1]
     t_fwd = timed(lambda: plain_forward(lm, encoded, batches, head=True), args.repeats, args.device,
                   lambda: plain_forward(lm, encoded, warm, head=True))
     t_body = timed(lambda: plain_forward(lm, encoded, batches, head=False), args.repeats, args.device,
                    lambda: plain_forward(lm, encoded, warm, head=False))
+    t_fair = timed(lambda: fair_forward(lm, encoded), args.repeats, args.device)
     scorer.score_encoded([encoded[i] for i in warm[0]])  # warm-up, outside the count
     with PositionCounter(lm) as counter:
         t_score = timed(lambda: scorer.score_encoded(encoded), args.repeats, args.device,
@@ -174,8 +187,10 @@ def bench(args) -> dict:
         "model": lm.name, "device": args.device, "dtype": args.dtype, "chains": len(encoded),
         "mean_tokens": tokens / len(encoded), "mean_chain_tokens": float(np.mean([e.chain_len for e in encoded])),
         "batch_tokens": args.batch_tokens, "repeats": args.repeats,
-        "forward_s": t_fwd, "forward_no_head_s": t_body, "score_s": t_score,
-        "forward_equivalents": t_score / t_fwd, "forward_equivalents_no_head": t_score / t_body,
+        "forward_s": t_fwd, "forward_no_head_s": t_body, "forward_sorted_8_s": t_fair,
+        "score_s": t_score, "forward_equivalents": t_score / t_fwd,
+        "forward_equivalents_no_head": t_score / t_body,
+        "forward_equivalents_sorted_8": t_score / t_fair,
         "chains_per_s": len(encoded) / t_score, "tokens_per_s": tokens / t_score,
         "padding_share": padding_share(counter.computed // args.repeats, encoded),
         "peak_memory_mb": peak_memory_mb(args.device),
@@ -217,6 +232,7 @@ def table(r: dict) -> str:
             ("chains (mean tokens, chain tokens)", f'{r["chains"]} ({r["mean_tokens"]:.0f}, {r["mean_chain_tokens"]:.0f})'),
             ("MIST scoring, forward-equivalents", f'{r["forward_equivalents"]:.2f}'),
             ("  ... against a forward without the LM head", f'{r["forward_equivalents_no_head"]:.2f}'),
+            ("  ... against length-sorted batches of 8 (full model)", f'{r["forward_equivalents_sorted_8"]:.2f}'),
             ("chains/s", f'{r["chains_per_s"]:.2f}'), ("tokens/s", f'{r["tokens_per_s"]:.0f}'),
             ("padding share of computed positions", f'{r["padding_share"]:.1%}'),
             ("peak memory (MiB)", f'{r["peak_memory_mb"]:.0f}')]
@@ -246,7 +262,8 @@ def parse(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--tf32", action="store_true", help="allow TF32 matmuls (Ampere and later)")
-    p.add_argument("--batch-tokens", type=int, default=4096)
+    p.add_argument("--batch-tokens", type=lambda v: v if v == "auto" else int(v), default=4096,
+                   help="padded tokens per forward pass, or auto (as many as --max-memory holds)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0)
@@ -257,6 +274,12 @@ def parse(argv=None):
     p.add_argument("--pipeline", action="store_true", help="also measure the Ray job against a bare loop")
     p.add_argument("--pipeline-only", action="store_true", help="measure only the Ray job against a bare loop")
     p.add_argument("--smoke", action="store_true", help="seconds-long run on a tiny random model")
+    p.add_argument("--sweep", type=lambda v: [int(x) for x in v.split(",")],
+                   help="chain lengths (e.g. 256,1024,4096,7680): cost and peak memory of one "
+                        "long chain against a plain forward, per length (see pipelines.bench_long)")
+    p.add_argument("--max-memory", help="the scorer's memory cap in the sweep, e.g. 1GB")
+    p.add_argument("--code", help="with --sweep: measure the mist_core of another checkout "
+                                  "(e.g. a git worktree of an earlier commit)")
     p.add_argument("--json", help="write the results here too")
     args = p.parse_args(argv)
     args.pipeline = args.pipeline or args.pipeline_only
@@ -271,6 +294,14 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.sweep:
+        from .bench_long import sweep
+
+        result = sweep(args)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        return 0
     result = {} if args.pipeline_only else bench(args)
     if args.pipeline:
         from .bench_pipeline import pipeline_over_bare

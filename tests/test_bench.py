@@ -54,3 +54,18 @@ def test_pipeline_over_bare_runs_the_job_on_the_same_chains(tmp_path, model_dir)
     assert r["bare_s"] > 0 and r["job_s"] > r["job_run_s"] > 0
     assert r["pipeline_repeats"] == 1 and r["pipeline_over_bare"] == r["bare_s"] / r["job_s"] > 0
     assert not ray.is_initialized()
+
+
+def test_length_sweep_measures_each_length_in_its_own_processes(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    assert mist(["bench", "--sweep", "96", "--model", "random:tiny", "--repeats", "1",
+                 "--threads", "1", "--max-memory", "64MB", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert [row["chain_tokens"] for row in r["sweep"]] == [96]
+    for row in r["sweep"]:
+        assert not [k for k in row if k.endswith("_error")], row
+        assert row["forward_equivalents"] > 0 and row["score_s"] > 0
+        assert row["score_peak_over_model_bytes"] >= 0 and row["model_bytes"] > 0
+        assert row["recompute"] is False  # 64MB holds a tiny model's stored pass
+    assert r["max_memory"] == "64MB"
+    assert "forwards" in capsys.readouterr().out

@@ -40,12 +40,13 @@ def test_every_regime_equals_plain_autograd_fp64(tiny_lm64, examples, share, rec
         assert np.abs(got.necessity_per_layer).max() > 1e-4
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
-def test_long_chains_every_regime_agrees_with_the_reference_fp32(arch):
-    """1,000-token chains in fp32, batched with a shorter one: the regimes agree with the
-    independent computation to 1e-5 of each field's scale."""
-    lm = long_model(arch, dtype=torch.float32)
-    encs = synthetic_encoded(2, 900, vocab=400, seed=1)
+def test_long_chains_every_regime_agrees_with_the_reference_fp32():
+    """Chains of ~600 tokens (past the tiny models' usual context) in fp32, two of unequal
+    length in one batch: every regime agrees with the independent computation to 1e-5 of
+    each field's scale."""
+    lm = long_model("llama", dtype=torch.float32)
+    encs = synthetic_encoded(2, 600, vocab=400, seed=1)
+    assert len({len(e.source_ids) for e in encs}) == 2
     refs = [first_order(lm, e) for e in encs]
     for share, recompute in REGIMES:
         got = MistScorer(lm, share_prefix=share, recompute=recompute, max_batch=8,
@@ -171,6 +172,6 @@ def test_parse_bytes():
 
 
 def test_need_grows_with_positions():
-    fp = Footprint(stored=1000.0, block=100.0, state=50.0, kv=10.0)
+    fp = Footprint(stored=1000.0, block=100.0, state=50.0, transient=20.0, kv=10.0)
     assert fp.need(200, False) == pytest.approx(2 * fp.need(100, False))
     assert fp.need(100, True) < fp.need(100, False)

@@ -85,9 +85,11 @@ def test_results_come_back_in_input_order(tiny_lm, examples):
 
 def test_no_parameter_gradients_and_logits_only_at_answer(tiny_lm, examples):
     rows_seen = []
+    scorer = MistScorer(tiny_lm, max_batch=8)
+    scorer.footprint  # the memory probe, once per scorer, before the count
     handle = tiny_lm.lm_head.register_forward_hook(lambda m, a, o: rows_seen.append(a[0].shape))
     try:
-        results = MistScorer(tiny_lm, max_batch=8).score(examples)
+        results = scorer.score(examples)
     finally:
         handle.remove()
     assert all(p.grad is None and not p.requires_grad for p in tiny_lm.model.parameters())

@@ -1,0 +1,204 @@
+"""Benchmark: MIST on long chains. For each chain length, the scorer's time in plain
+forwards of the same input (median of alternating repeats, in one process) and the peak
+memory beyond the loaded model (each in a process of its own, so that no earlier peak
+counts).
+
+    python -m pipelines.bench --sweep 256,1024,4096,7680                  # library defaults
+    python -m pipelines.bench --sweep 4096,7680 --max-memory 1GB          # under a cap
+    python -m pipelines.bench --sweep 8192 --model random:qwen2.5-7b --device cuda --dtype bfloat16
+
+A chain is consecutive GSM8K training solutions joined into one, cut to the length, with the
+first problem's question and answer (random tokens for a random: model)."""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+
+
+def long_chain(lm, n_tokens: int, corpus: Path = TRAIN):
+    from mist_core import Example, MistScorer, get_adapter
+
+    if lm.tokenizer is None:  # a random-weight model: token ids are all it needs
+        import numpy as np
+
+        from mist_core.templates import Encoded
+
+        rng = np.random.default_rng(n_tokens)
+        prefix, chain, lead, answer = (rng.integers(0, lm.unembedding.shape[0], n)
+                                       for n in (100, n_tokens, 4, 2))
+        return Encoded(example=Example("q", "c", "a", id=f"len{n_tokens}"),
+                       source_ids=np.concatenate([prefix, chain, lead, answer]), chain_start=100,
+                       chain_len=n_tokens, answer_start=104 + n_tokens,
+                       target_ids=np.concatenate([prefix, lead, answer]), target_final=103,
+                       chain_offsets=np.zeros((n_tokens, 2), dtype=np.int64))
+    adapt = get_adapter("gsm8k")
+    tok = lm.tokenizer
+    with open(corpus) as f:
+        rows = (adapt(json.loads(line)) for line in f)
+        first = next(rows)
+        pieces, n = [], 0
+        for ex in rows:
+            pieces.append(ex.cot)
+            n += len(tok(ex.cot + "\n\n", add_special_tokens=False)["input_ids"])
+            if n >= n_tokens:
+                break
+    ids = tok("\n\n".join(pieces), add_special_tokens=False)["input_ids"][:n_tokens]
+    cot = tok.decode(ids).strip()
+    return MistScorer(lm).encode(Example(first.question, cot, first.answer, id=f"len{n_tokens}"))
+
+
+def _rss(field: str) -> int:
+    """VmRSS (now) or VmHWM (peak) of this process, in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def worker(spec: dict) -> dict:
+    """One measurement in this process: `what` is time, score (memory) or forward (memory)."""
+    from mist_core import MistScorer, load_model
+    from pipelines.bench import random_model
+
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    device = spec["device"]
+    if spec["model"].startswith("random:"):
+        lm = random_model(spec["model"].split(":", 1)[1], spec["dtype"], device,
+                          context=spec["tokens"] + 512)
+    else:
+        lm = load_model(spec["model"], dtype=spec["dtype"], device=device)
+    enc = long_chain(lm, spec["tokens"])
+    kwargs = {} if spec.get("max_memory") is None else {"max_memory": spec["max_memory"]}
+    scorer = MistScorer(lm, max_tokens=spec.get("batch_tokens") or 4096, **kwargs)
+    ids = torch.tensor(enc.source_ids, device=device)[None]
+
+    def forward():
+        with torch.no_grad():  # what a user calls a forward: the model, logits included
+            lm.model(input_ids=ids, use_cache=False)
+
+    returns_errors = "errors" in inspect.signature(scorer.score_encoded).parameters
+
+    def score():  # (an earlier checkout's scorer, measured with --code, has no `errors`)
+        [res] = scorer.score_encoded([enc], errors="return") if returns_errors else \
+            scorer.score_encoded([enc])
+        if not hasattr(res, "scores"):
+            raise RuntimeError(str(res))
+
+    import mist_core
+
+    out = {"tokens": len(enc.source_ids), "chain_tokens": enc.chain_len,
+           "mist_core": str(Path(mist_core.__file__).parent)}
+    with torch.no_grad():
+        lm.model(input_ids=ids[:, :8], use_cache=False)  # weights touched: the loaded model
+    if hasattr(scorer, "footprint") and kwargs:
+        scorer.footprint  # measured before the peak is reset: a one-off at load time
+    if spec["what"] == "time":
+        forward(), score()  # warm-up
+        tf, ts = [], []
+        for _ in range(spec["repeats"]):
+            for fn, acc in ((forward, tf), (score, ts)):
+                _sync(device)
+                t = time.perf_counter()
+                fn()
+                _sync(device)
+                acc.append(time.perf_counter() - t)
+        out.update(forward_s=statistics.median(tf), score_s=statistics.median(ts),
+                   forward_runs=tf, score_runs=ts)
+        out["forward_equivalents"] = out["score_s"] / out["forward_s"]
+        out["score_s_per_1k_tokens"] = 1000 * out["score_s"] / out["tokens"]
+        if hasattr(scorer, "plan"):
+            out["recompute"] = bool(getattr(scorer.plan([enc]), "recompute", False))
+            out["shares_prefix"] = scorer.shares_prefix(enc) if hasattr(scorer, "shares_prefix") else True
+        return out
+    fn = score if spec["what"] == "score" else forward
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        out["peak_over_model_bytes"] = torch.cuda.max_memory_allocated() - base
+        out["model_bytes"] = base
+    else:
+        base = _rss("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM: the peak from here on
+        fn()
+        out["peak_over_model_bytes"] = _rss("VmHWM") - base
+        out["model_bytes"] = base
+    return out
+
+
+def _run(spec: dict, python: str, env: dict) -> dict:
+    cmd = [python, "-m", "pipelines.bench_long", json.dumps(spec)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else
+                f"exit {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def sweep(args) -> dict:
+    """Each length: a timing process, then a memory process for the scorer and one for the
+    forward. `--code DIR` measures another checkout's mist_core (before/after)."""
+    env = dict(os.environ)
+    rows = []
+    for n in args.sweep:
+        spec = {"model": args.model, "dtype": args.dtype, "device": args.device, "tokens": n,
+                "threads": args.threads, "repeats": args.repeats, "max_memory": args.max_memory,
+                "batch_tokens": args.batch_tokens,
+                "code": str(Path(args.code).resolve()) if args.code else None}
+        row = {"chain_tokens": n}
+        for what in ("time", "score", "forward"):
+            res = _run({**spec, "what": what}, sys.executable, env)
+            if "error" in res:
+                row[f"{what}_error"] = res["error"]
+                continue
+            if what == "time":
+                row.update({k: v for k, v in res.items() if k != "chain_tokens"})
+            else:
+                row[f"{what}_peak_over_model_bytes"] = res["peak_over_model_bytes"]
+                row["model_bytes"] = res["model_bytes"]
+        rows.append(row)
+        print(sweep_line(row), flush=True)
+    return {"model": args.model, "dtype": args.dtype, "device": args.device,
+            "max_memory": args.max_memory, "code": args.code or str(ROOT), "sweep": rows}
+
+
+def sweep_line(r: dict) -> str:
+    gib = 2**30
+    parts = [f"{r['chain_tokens']:>6} chain tokens"]
+    if "forward_equivalents" in r:
+        parts.append(f"{r['forward_equivalents']:.2f} forwards ({r['score_s']:.1f}s vs {r['forward_s']:.1f}s, "
+                     f"{r['score_s_per_1k_tokens']:.2f}s per 1k tokens"
+                     f"{', recomputed' if r.get('recompute') else ''})")
+    for what in ("score", "forward"):
+        if f"{what}_peak_over_model_bytes" in r:
+            parts.append(f"{what} peak +{r[f'{what}_peak_over_model_bytes'] / gib:.2f} GiB")
+    parts += [f"{k}: {v}" for k, v in r.items() if k.endswith("_error")]
+    return " | ".join(parts)
+
+
+if __name__ == "__main__":
+    spec = json.loads(sys.argv[1])
+    if spec.get("code"):  # that checkout's mist_core, imported first (nothing has imported it yet)
+        sys.path.insert(0, spec["code"])
+    result = worker(spec)
+    print(json.dumps(result))

@@ -1,0 +1,54 @@
+"""The job under a memory cap: `--max-memory` reaches the scoring actors, a chain that cannot
+fit alone becomes a `too_long_for_memory` reject with its length and the cap, and the rest
+are scored exactly as without a cap."""
+import json
+
+import pytest
+
+from conftest import loopback_ray
+from mist_core import Example, MistScorer, load_model
+from pipelines import compress, storage
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    with loopback_ray():
+        yield
+
+
+def read_dir(out, sub):
+    fs, root, _ = storage.filesystem(str(out / sub))
+    table = storage.read_parquet_dir(fs, root)
+    return [] if table is None else table.to_pylist()
+
+
+def test_max_memory_rejects_only_what_cannot_fit_alone(local_ray, model_dir, tmp_path):
+    words = "She has 16 eggs and eats 3 so 13 are left over today."
+    rows = [{"id": f"r{i}", "question": "How many eggs are left?", "cot": words, "answer": "13"}
+            for i in range(4)]
+    rows.append({"id": "long", "question": "How many eggs are left?",
+                 "cot": " ".join([words] * 8), "answer": "13"})
+    corpus = tmp_path / "in.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # The cap: room for a short chain, not for the long one even with recomputation.
+    scorer = MistScorer(load_model(str(model_dir)))
+    encs = [scorer.encode(Example(r["question"], r["cot"], r["answer"], id=r["id"])) for r in rows]
+    cap = int(1.5 * scorer.need([encs[0]], recompute=False))
+    assert scorer.need([encs[-1]], recompute=True) > cap
+
+    out = tmp_path / "out"
+    argv = ["--input", str(corpus), "--output", str(out), "--model", str(model_dir),
+            "--budgets", "0.5", "--max-memory", str(cap), "--scores"]
+    assert compress.main(argv) == 0
+    manifest = json.loads((out / "_manifest.json").read_text())
+    c = manifest["counts"]
+    assert (c["read"], c["scored"], c["rejected"]) == (5, 4, 1)
+    assert c["rejected_by_reason"] == {"too_long_for_memory": 1}
+    assert manifest["config"]["max_memory"] == cap
+    [reject] = read_dir(out, "rejects")
+    assert reject["id"] == "long" and reject["reason"] == "too_long_for_memory"
+    assert f"{scorer.batch_length(encs[-1])} tokens" in reject["detail"]
+    assert "max_memory" in reject["detail"]
+    uncapped = {s.id: s.scores for s in MistScorer(load_model(str(model_dir))).score_encoded(encs[:4])}
+    for row in read_dir(out, "scores"):
+        assert row["scores"] == pytest.approx(list(uncapped[row["id"]]), abs=1e-4)
