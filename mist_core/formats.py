@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Iterable, Sequence
 
 import pyarrow as pa
@@ -17,8 +18,11 @@ from .templates import ANSWER_LEAD
 DATA_SCHEMA = pa.schema([
     ("id", pa.string()), ("question", pa.string()), ("cot", pa.string()),
     ("answer", pa.string()), ("budget", pa.float64()), ("compressed_cot", pa.string()),
-    ("kept_tokens", pa.int64()), ("cot_tokens", pa.int64()), ("method", pa.string()),
-    ("model", pa.string()),
+    ("kept_tokens", pa.int64()), ("cot_tokens", pa.int64()),
+    # Whitespace-separated words of compressed_cot and cot: the budget counts tokens, so the
+    # share of words kept is measured too (pruning by words keeps whole words, by tokens not).
+    ("kept_words", pa.int64()), ("cot_words", pa.int64()),
+    ("method", pa.string()), ("model", pa.string()),
 ])
 DATA_COLUMNS = tuple(DATA_SCHEMA.names)
 
@@ -124,15 +128,41 @@ def data_rows(*, id: str, question: str, cot: str, answer: str, budgets: Sequenc
             extra[f.name] = extra_value(extras.get(f.name), f.type)
     return [dict(id=id, question=question, cot=cot, answer=answer, budget=float(b),
                  compressed_cot=text, kept_tokens=int(k), cot_tokens=int(cot_tokens),
+                 kept_words=count_words(text), cot_words=count_words(cot),
                  method=method, model=model, **extra)
             for b, text, k in zip(budgets, compressed, kept_tokens)]
 
 
-# ---------------------------------------------------------------- SFT records
+_WORD = re.compile(r"\S+")
 
-SFT_FORMATS = ("chat", "tokenskip")
+
+def count_words(text: str) -> int:
+    """Whitespace-separated words, as a reader counts them."""
+    return len(_WORD.findall(text))
+
+
+# ---------------------------------------------------------------- SFT records
+# One record per (example, γ), laid out as a trainer reads it without code:
+#   prompt-completion  TRL's conversational prompt-completion: `prompt` (the user turn) and
+#                      `completion` (the assistant turn); SFTTrainer puts the loss on the
+#                      completion only (the prompt, and any system prompt the chat template
+#                      adds, carry none).
+#   messages           the same two turns as one `messages` list (TRL's conversational
+#                      language modeling, LLaMA-Factory's sharegpt, axolotl's chat_template).
+#   alpaca             LLaMA-Factory's alpaca: instruction (the user turn), input "", output.
+#   tokenskip          TokenSkip's own alpaca records (its instruction, its γ marker).
+# Every record also carries `id` and `budget`; the trainers ignore columns they do not map.
+
+SFT_FORMATS = ("prompt-completion", "messages", "alpaca", "tokenskip")
+SFT_ALIASES = {"chat": "messages"}  # the messages format's earlier name
 SFT_MIXES = ("sample", "all")
 TOKENSKIP_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+LLAMAFACTORY_NAME = "mist"  # the dataset's name in dataset_info.json
+
+
+def sft_format_name(fmt: str) -> str:
+    """The format's current name (`chat` was the messages format's)."""
+    return SFT_ALIASES.get(fmt, fmt)
 
 
 def budget_label(budget: float) -> str:
@@ -141,22 +171,41 @@ def budget_label(budget: float) -> str:
 
 
 def directive(budget: float) -> str | None:
-    """The paper's instruction for a budget γ: 'Please reduce (1−γ)×100% of the words in
-    your CoT.'; None at γ = 1.0, where the prompt carries no directive."""
+    """The instruction for a budget γ: 'Please reduce (1−γ)×100% of the tokens in your
+    CoT.'; None at γ = 1.0, where the prompt carries no directive. The paper's wording says
+    words, but γ counts tokens (⌈γ·T⌉ chain tokens are kept whatever the pruning unit, and
+    whole words kept to a token budget are a smaller share of the words), so the directive
+    names the unit that was reduced. The manifest reports the share kept in both units."""
     if budget >= 1.0:
         return None
-    return f"Please reduce {round((1.0 - budget) * 100, 4):g}% of the words in your CoT."
+    return f"Please reduce {round((1.0 - budget) * 100, 4):g}% of the tokens in your CoT."
 
 
-def sft_chat(*, id: str, question: str, cot: str, answer: str, budget: float) -> dict:
-    """A chat-messages record: the user turn is the question (plus the directive below
-    γ = 1.0), the assistant turn the chain then the answer line, as MIST scored it."""
+def sft_turns(*, question: str, cot: str, answer: str, budget: float) -> tuple[str, str]:
+    """The user turn (the question, plus the directive below γ = 1.0) and the assistant turn
+    (the chain, then the answer line as MIST scored it)."""
     d = directive(budget)
     user = question if d is None else f"{question}\n\n{d}"
+    return user, f"{cot}\n\n{ANSWER_LEAD}{answer}"
+
+
+def sft_prompt_completion(*, id: str, question: str, cot: str, answer: str, budget: float) -> dict:
+    user, assistant = sft_turns(question=question, cot=cot, answer=answer, budget=budget)
+    return {"id": id, "budget": float(budget),
+            "prompt": [{"role": "user", "content": user}],
+            "completion": [{"role": "assistant", "content": assistant}]}
+
+
+def sft_messages(*, id: str, question: str, cot: str, answer: str, budget: float) -> dict:
+    user, assistant = sft_turns(question=question, cot=cot, answer=answer, budget=budget)
     return {"id": id, "budget": float(budget), "messages": [
-        {"role": "user", "content": user},
-        {"role": "assistant", "content": f"{cot}\n\n{ANSWER_LEAD}{answer}"},
-    ]}
+        {"role": "user", "content": user}, {"role": "assistant", "content": assistant}]}
+
+
+def sft_alpaca(*, id: str, question: str, cot: str, answer: str, budget: float) -> dict:
+    user, assistant = sft_turns(question=question, cot=cot, answer=answer, budget=budget)
+    return {"id": id, "budget": float(budget), "instruction": user, "input": "",
+            "output": assistant}
 
 
 def sft_tokenskip(*, id: str, question: str, cot: str, answer: str, budget: float) -> dict:
@@ -167,10 +216,28 @@ def sft_tokenskip(*, id: str, question: str, cot: str, answer: str, budget: floa
             "input": inp, "output": f"{cot}\n\nThe final answer is: $\\boxed{{{answer}}}$"}
 
 
+_MAKERS = {"prompt-completion": sft_prompt_completion, "messages": sft_messages,
+           "alpaca": sft_alpaca, "tokenskip": sft_tokenskip}
+
+
+def llamafactory_entry(fmt: str) -> dict | None:
+    """The dataset_info.json entry through which LLaMA-Factory reads sft/ (the output folder
+    is then its dataset_dir); None for prompt-completion, a layout it does not read."""
+    fmt = sft_format_name(fmt)
+    if fmt in ("alpaca", "tokenskip"):
+        return {"file_name": "sft", "formatting": "alpaca",
+                "columns": {"prompt": "instruction", "query": "input", "response": "output"}}
+    if fmt == "messages":
+        # Every tag it uses is given: LLaMA-Factory sets a tag left out of `tags` to None.
+        return {"file_name": "sft", "formatting": "sharegpt", "columns": {"messages": "messages"},
+                "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                         "assistant_tag": "assistant", "system_tag": "system"}}
+    return None
+
+
 def sft_budgets(budgets: Sequence[float]) -> list[float]:
     """The budgets SFT data mixes: the job's budgets and γ = 1.0 (the full chain)."""
-    out = sorted({float(b) for b in budgets} | {1.0})
-    return out
+    return sorted({float(b) for b in budgets} | {1.0})
 
 
 def pick_budget(key: str, choices: Sequence[float], seed: int = 0) -> float:
@@ -181,12 +248,13 @@ def pick_budget(key: str, choices: Sequence[float], seed: int = 0) -> float:
 
 
 def sft_records(*, id: str, question: str, cot: str, answer: str,
-                compressed: dict[float, str], fmt: str = "chat", mix: str = "sample",
+                compressed: dict[float, str], fmt: str = "prompt-completion", mix: str = "sample",
                 seed: int = 0) -> list[dict]:
     """The SFT records of one example. `compressed` maps each budget to its chain; γ = 1.0
     uses the full chain unless it was one of the budgets. mix="sample": one record, its γ
     drawn uniformly from the budgets and 1.0; mix="all": one record per γ."""
-    if fmt not in SFT_FORMATS:
+    make = _MAKERS.get(sft_format_name(fmt))
+    if make is None:
         raise ValueError(f"sft format must be one of {SFT_FORMATS}, not {fmt!r}")
     if mix not in SFT_MIXES:
         raise ValueError(f"sft mix must be one of {SFT_MIXES}, not {mix!r}")
@@ -194,6 +262,5 @@ def sft_records(*, id: str, question: str, cot: str, answer: str,
     gammas = sft_budgets(compressed)
     if mix == "sample":
         gammas = [pick_budget(id, gammas, seed)]
-    make = sft_chat if fmt == "chat" else sft_tokenskip
     return [make(id=id, question=question, cot=chains[g], answer=answer, budget=g)
             for g in gammas]

@@ -165,10 +165,23 @@ def resolve(spec: str) -> tuple[str, str]:
     return spec, spec  # a hub id
 
 
+def model_path(spec: str) -> str:
+    """What `from_pretrained` reads for a model spec: a local folder (for a `.gguf` file or
+    `smollm2-135m-instruct`, its safetensors conversion, made on first use) or the hub id as
+    given. The way to hand a trainer the same weights the job scored with."""
+    return resolve(spec)[0]
+
+
 def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
-               trust_remote_code: bool = False, attn_implementation: str = "sdpa") -> LM:
+               trust_remote_code: bool = False, attn_implementation: str = "sdpa",
+               for_training: bool = False) -> LM:
     """Load a causal LM by hub id, local directory, `.gguf` file or the built-in name
-    `smollm2-135m-instruct`. Remote code stays off unless asked for."""
+    `smollm2-135m-instruct`. Remote code stays off unless asked for.
+
+    The result is a scoring handle: its model is in eval mode with every parameter frozen
+    (MIST needs activation gradients only), so a trainer given `lm.model` would change
+    nothing. `for_training=True` returns it trainable and in train mode instead; or give a
+    trainer `model_path(spec)`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in _DTYPES:
@@ -178,4 +191,8 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
         source, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code,
         attn_implementation=attn_implementation)
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-    return wrap_model(model.to(device), tokenizer, name)
+    lm = wrap_model(model.to(device), tokenizer, name)
+    if for_training:
+        lm.model.requires_grad_(True)
+        lm.model.train()
+    return lm

@@ -13,6 +13,8 @@ commands:
   bench      scoring cost in forward passes, throughput, padding, the job's overhead
              (docs/results/performance.md)
   soak       many chains through the job with memory sampled (docs/results/reliability.md)
+  model-path print the local folder (or hub id) of a model spec that from_pretrained and
+             trainers load, e.g. `mist model-path smollm2-135m-instruct` (converts it once)
 """
 
 
@@ -30,12 +32,33 @@ def main(argv: list[str] | None = None) -> int:
         from .evaluate import main as evaluate
 
         return evaluate(rest, prog="mist eval")
+    if command == "model-path":
+        return model_path(rest)
     if command in ("bench", "soak"):
         from importlib import import_module
 
         return import_module(f".{command}", __package__).main(rest)
     print(f"mist: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2
+
+
+def model_path(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="mist model-path", description=(
+        "Print where a model spec's weights are, for a trainer: the safetensors folder "
+        "converted from a .gguf file or smollm2-135m-instruct, a local folder, or the hub id."))
+    p.add_argument("spec", help="hub id, local folder, .gguf file or smollm2-135m-instruct")
+    args = p.parse_args(argv)
+    from mist_core.errors import MissingDependency
+    from mist_core.models import model_path as path
+
+    try:
+        print(path(args.spec))
+    except (FileNotFoundError, MissingDependency) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

@@ -25,8 +25,8 @@ import pyarrow as pa
 import ray
 
 from mist_core.errors import MissingDependency, UnsupportedModel
-from mist_core.formats import (DATA_COLUMNS, budget_label, data_schema, fits, kinds_type,
-                               sft_budgets)
+from mist_core.formats import (DATA_COLUMNS, REJECT_SCHEMA, SCORES_SCHEMA, budget_label,
+                               data_schema, fits, kinds_type, sft_budgets, sft_format_name)
 
 from . import faults, stages, storage
 from .config import ConfigError, JobConfig, parse_args
@@ -49,9 +49,13 @@ class AccountingError(RuntimeError):
 
 @dataclass
 class Plan:
-    read: int
-    invalid: int  # rejected by validation already in the planning pass
-    done: int  # already in the output
+    read: int  # input rows
+    # What the rows expand to, each of which ends scored, rejected or already done: one per
+    # row, or one per example for an adapter that fans a row out (openr1); a row that gives
+    # no example counts once, as its reject.
+    examples: int
+    invalid: int  # rows rejected by validation already in the planning pass
+    done: int  # examples already in the output
     duplicates: int
     to_score: int
     row_limits: dict[str, int] | None
@@ -82,21 +86,19 @@ def init_ray(cfg: JobConfig) -> None:
 
 def extras_schema(kinds: dict[str, set], existing: Existing) -> pa.Schema:
     """The extra columns' types: from the value kinds seen in this input, and, on refresh,
-    the types already in data/ (a file of this run must not contradict an earlier one)."""
+    the types already in data/ (a file of this run must not contradict an earlier one).
+    Earlier columns come first, in their order, then this run's new ones by name, so that
+    every file of the folder has the same columns in the same order (Output.conform)."""
     old = existing.schema
-    fields = []
-    for name in sorted(kinds):
-        type_ = kinds_type(kinds[name])
-        if old is not None and name in old.names:
-            if not fits(kinds[name], old.field(name).type):
-                raise ConfigError(
-                    f"extra column {name!r} holds {sorted(kinds[name] - {'null'})} values, but "
-                    f"the output has it as {old.field(name).type}; use --mode overwrite or "
-                    "another --output")
-            type_ = old.field(name).type
-        fields.append(pa.field(name, type_))
-    if old is not None:  # keep earlier extra columns in every new file too
-        fields += [f for f in old if f.name not in DATA_COLUMNS and f.name not in kinds]
+    fields = [f for f in old if f.name not in DATA_COLUMNS] if old is not None else []
+    for f in fields:
+        if f.name in kinds and not fits(kinds[f.name], f.type):
+            raise ConfigError(
+                f"extra column {f.name!r} holds {sorted(kinds[f.name] - {'null'})} values, but "
+                f"the output has it as {f.type}; use --mode overwrite or another --output")
+    known = {f.name for f in fields}
+    fields += [pa.field(name, kinds_type(kinds[name])) for name in sorted(kinds)
+               if name not in known]
     return pa.schema(fields)
 
 
@@ -108,7 +110,7 @@ def make_plan(inputs: list[Input], cfg: JobConfig, existing: Existing) -> Plan:
     tables = list(ds.iter_batches(batch_format="pyarrow", batch_size=None))
     table = pa.concat_tables(tables) if tables else pa.table(
         {"input": pa.array([], pa.int64()), "source": pa.array([], pa.string()),
-         "row": pa.array([], pa.int64()), "key": pa.array([], pa.string()),
+         "row": pa.array([], pa.int64()), "keys": pa.array([], pa.list_(pa.string())),
          "kinds": pa.array([], pa.string())})
     # Input order: inputs as given, files by name, rows by number. --limit takes a prefix.
     table = table.sort_by([("input", "ascending"), ("source", "ascending"), ("row", "ascending")])
@@ -119,20 +121,28 @@ def make_plan(inputs: list[Input], cfg: JobConfig, existing: Existing) -> Plan:
         for source, row in zip(table.column("source").to_pylist(), table.column("row").to_pylist()):
             row_limits[source] = max(row, row_limits.get(source, 0))
     seen, dups, kinds = set(), set(), defaultdict(set)
-    invalid = done = 0
-    for source, row, key, kind in zip(*(table.column(c).to_pylist()
-                                         for c in ("source", "row", "key", "kinds"))):
-        if key is None:
+    invalid = done = examples = 0
+    for source, row, keys, kind in zip(*(table.column(c).to_pylist()
+                                          for c in ("source", "row", "keys", "kinds"))):
+        if keys is None:
             invalid += 1
-        elif key in existing.done_ids:
-            done += 1
-        elif key in seen:
-            dups.add((source, row))
-        else:
-            seen.add(key)
+            examples += 1
+            continue
+        examples += len(keys)
+        new = False
+        for part, key in enumerate(keys):
+            if key in existing.done_ids:
+                done += 1
+            elif key in seen:
+                dups.add((source, row, part))
+            else:
+                seen.add(key)
+                new = True
+        if new:  # only rows that write data/ rows decide the extra columns' types
             for name, k in json.loads(kind).items():
                 kinds[name].add(k)
-    return Plan(read=table.num_rows, invalid=invalid, done=done, duplicates=len(dups),
+    return Plan(read=table.num_rows, examples=examples, invalid=invalid, done=done,
+                duplicates=len(dups),
                 to_score=len(seen), row_limits=row_limits, dup_rows=frozenset(dups),
                 extras=extras_schema(kinds, existing), seconds=time.perf_counter() - t)
 
@@ -160,7 +170,9 @@ def check_compatible(cfg: JobConfig, model_name: str, existing: Existing, out: O
         problems.append(f"model {sorted(existing.models)} vs {model_name}")
     if existing.budgets and existing.budgets != set(cfg.budgets):
         problems.append(f"budgets {sorted(existing.budgets)} vs {cfg.budgets}")
-    before = (existing.manifest or {}).get("config", {})
+    before = dict((existing.manifest or {}).get("config", {}))
+    if "sft_format" in before:  # an output from before a format was renamed
+        before["sft_format"] = sft_format_name(before["sft_format"])
     now = cfg.to_dict()
     for key in ("adapter", "columns", "unit", "alpha", "keep_digits", "template", "dtype",
                 "sft_format", "sft_mix", "seed"):
@@ -180,9 +192,9 @@ def reconcile(cfg: JobConfig, plan: Plan, stats: WriteStats, existing: Existing,
         if got != want:
             problems.append(f"{what}: {got}, expected {want}")
 
-    check("rows that reached the writer (rows read)", stats.rows, plan.read)
-    check("scored + rejected + already done (rows read)",
-          stats.scored + stats.rejected + stats.skipped, plan.read)
+    check("rows that reached the writer (examples of the rows read)", stats.rows, plan.examples)
+    check("scored + rejected + already done (examples of the rows read)",
+          stats.scored + stats.rejected + stats.skipped, plan.examples)
     check("rows already done", stats.skipped, plan.done)
     if stats.rejected < plan.invalid + plan.duplicates:
         problems.append(f"rejected {stats.rejected} < {plan.invalid + plan.duplicates} rows "
@@ -237,6 +249,7 @@ def build(cfg: JobConfig, inputs: list[Input], plan: Plan, existing: Existing,
                 "model": cfg.model, "method": cfg.method, "dtype": cfg.dtype,
                 "device": "cuda" if gpus > 0 else "cpu", "alpha": cfg.alpha,
                 "batch_tokens": cfg.batch_tokens, "batch_size": cfg.batch_size,
+                "max_memory": cfg.max_memory,
                 "template": cfg.template, "threads": max(1, int(cfg.cpus_per_actor)),
                 "trust_remote_code": cfg.trust_remote_code},
             **resources)
@@ -247,17 +260,20 @@ def build(cfg: JobConfig, inputs: list[Input], plan: Plan, existing: Existing,
 
 def make_manifest(cfg: JobConfig, *, run_id: str, started: str, inputs: list[Input],
                   out: Output, model_name: str, gpus: float, plan: Plan, stats: WriteStats,
-                  existing: Existing, totals: dict, run_s: float, total_s: float) -> dict:
+                  existing: Existing, totals: dict, run_s: float, total_s: float,
+                  conformed: int = 0) -> dict:
     settings = cfg.to_dict()
     settings["input"] = [i.source for i in inputs]
     settings["output"] = out.display()
     counts = {
-        "read": plan.read, "scored": stats.scored, "rejected": stats.rejected,
+        "read": plan.read, "examples": plan.examples, "scored": stats.scored,
+        "rejected": stats.rejected,
         "already_done": stats.skipped,
         "rejected_by_reason": dict(sorted(stats.reasons.items())),
         "rejects_already_recorded": stats.rejected - stats.rejects_written,
         "written_per_budget": {b: stats.written[b] for b in map(budget_label, cfg.budgets)},
         "sft_records": stats.sft, "score_rows": stats.score_rows, "files_written": stats.files,
+        "data_files_conformed": conformed,
     }
     timings = {"plan_s": round(plan.seconds, 3), "run_s": round(run_s, 3),
                "total_s": round(total_s, 3), "actor_busy_s": round(stats.score_s, 3)}
@@ -317,8 +333,8 @@ def run(cfg: JobConfig) -> dict:
 
     plan = make_plan(inputs, cfg, existing)
     log.info("plan: %d rows read, %d to score, %d already in the output, %d invalid, "
-             "%d repeated ids (%.1fs)", plan.read, plan.to_score, plan.done, plan.invalid,
-             plan.duplicates, plan.seconds)
+             "%d repeated ids, %d examples in all (%.1fs)", plan.read, plan.to_score, plan.done,
+             plan.invalid, plan.duplicates, plan.examples, plan.seconds)
     gpus = cfg.gpus_per_actor
     if gpus is None:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
@@ -332,16 +348,23 @@ def run(cfg: JobConfig) -> dict:
                       with_scores=cfg.scores, known_rejects=existing.rejects,
                       rows_per_file=cfg.rows_per_file)
     out.stash_manifest()
+    schema = data_schema(plan.extras)
+    conformed = out.conform(schema)  # before the new files: data/ never holds three schemas
+    if conformed:
+        log.info("rewrote %d earlier data/ files with this run's new columns", conformed)
     t_run = time.perf_counter()
     build(cfg, inputs, plan, existing, gpus).write_datasink(sink)
     run_s = time.perf_counter() - t_run
+    out.ensure_files({"data": schema, "rejects": REJECT_SCHEMA,
+                      **({"scores": SCORES_SCHEMA} if cfg.scores else {})})
+    out.write_dataset_info(cfg.sft_format)
 
     totals = out.totals()
     reconcile(cfg, plan, sink.stats, existing, totals)
     manifest = make_manifest(cfg, run_id=run_id, started=started, inputs=inputs, out=out,
                              model_name=model_name, gpus=gpus, plan=plan, stats=sink.stats,
                              existing=existing, totals=totals, run_s=run_s,
-                             total_s=time.perf_counter() - t0)
+                             total_s=time.perf_counter() - t0, conformed=conformed)
     out.write_manifest(manifest)
     return manifest
 
@@ -362,15 +385,19 @@ def summary(manifest: dict, out: Output) -> str:
         lines.append("  scores/    per-token scores (parquet)")
     lines += [
         "  _manifest.json   settings, versions, counts, timings",
-        f"This run: read {c['read']}, scored {c['scored']}, rejected {c['rejected']}, "
+        f"This run: read {c['read']}"
+        + (f" ({c['examples']} examples)" if c["examples"] != c["read"] else "")
+        + f", scored {c['scored']}, rejected {c['rejected']}, "
         f"already done {c['already_done']}"
         + (f"; {thr:.2f} chains/s" if thr and c["scored"] else ""),
     ]
     if c["rejected_by_reason"]:
         lines.append("  rejected: " + ", ".join(f"{k} {v}" for k, v in c["rejected_by_reason"].items()))
     if tot["mean_kept_ratio"]:
-        lines.append("Mean kept share of chain tokens per budget: " + "  ".join(
-            f"{b}: {r:.2f}" for b, r in tot["mean_kept_ratio"].items()))
+        words = tot.get("mean_kept_word_ratio", {})
+        lines.append("Mean kept share of the chain per budget, tokens / words: " + "  ".join(
+            f"{b}: {r:.2f}" + (f" / {words[b]:.2f}" if b in words else "")
+            for b, r in tot["mean_kept_ratio"].items()))
     budgets = manifest["config"]["budgets"]
     ex = out.example(min(budgets)) if budgets else None
     if ex:

@@ -36,13 +36,14 @@ class JobConfig:
     dtype: str = "float32"
     trust_remote_code: bool = False
     batch_size: int = 32
-    batch_tokens: int = 4096
+    batch_tokens: int | str = "auto"  # auto: from max_memory where there is one, else 4096
+    max_memory: int | None = None  # bytes per scoring actor beyond the model; None: auto
     actors: tuple[int, int] = (1, 1)
     gpus_per_actor: float | None = None  # None: 1 when the cluster has GPUs, else 0
     cpus_per_actor: float = 1.0
     scores: bool = False
     rows_per_file: int = 512
-    sft_format: str = "chat"
+    sft_format: str = "prompt-completion"
     sft_mix: str = "sample"
     seed: int = 0
     address: str | None = None
@@ -105,6 +106,16 @@ def _bool(value) -> bool:
     return bool(value)
 
 
+def _tokens(value) -> int | str:
+    return "auto" if str(value).strip().lower() == "auto" else int(value)
+
+
+def _memory(value) -> int | None:
+    from mist_core.memory import parse_bytes
+
+    return parse_bytes(value)
+
+
 def _opt_int(value) -> int | None:
     return None if value is None else int(value)
 
@@ -112,7 +123,8 @@ def _opt_int(value) -> int | None:
 _PARSE = {"input": _inputs, "budgets": parse_floats, "actors": parse_actors,
           "columns": parse_columns, "gpus_per_actor": _gpus, "keep_digits": _bool,
           "scores": _bool, "trust_remote_code": _bool, "limit": _opt_int, "alpha": float,
-          "batch_size": int, "rows_per_file": int, "batch_tokens": int,
+          "batch_size": int, "rows_per_file": int, "batch_tokens": _tokens,
+          "max_memory": _memory,
           "cpus_per_actor": float, "seed": int}
 
 
@@ -152,7 +164,9 @@ def load_yaml(path: str) -> dict:
 
 def validate(cfg: JobConfig) -> JobConfig:
     from mist_core import scorer_names
-    from mist_core.formats import SFT_FORMATS, SFT_MIXES
+    from mist_core.examples import ADAPTERS
+    from mist_core.formats import SFT_FORMATS, SFT_MIXES, sft_format_name
+    from mist_core.templates import TEMPLATES
 
     def one_of(name, allowed):
         if getattr(cfg, name) not in allowed:
@@ -160,11 +174,12 @@ def validate(cfg: JobConfig) -> JobConfig:
                               f"not {getattr(cfg, name)!r}")
 
     one_of("format", ("auto", "jsonl", "parquet"))
-    one_of("adapter", ("gsm8k", "math", "generic"))
+    one_of("adapter", ADAPTERS)
     one_of("mode", ("refresh", "overwrite"))
     one_of("unit", ("word", "token"))
-    one_of("template", ("auto", "chat", "plain"))
+    one_of("template", TEMPLATES)
     one_of("dtype", DTYPES)
+    cfg.sft_format = sft_format_name(cfg.sft_format)  # `chat`, the earlier name of messages
     one_of("sft_format", SFT_FORMATS)
     one_of("sft_mix", SFT_MIXES)
     one_of("method", tuple(scorer_names()))
@@ -175,7 +190,7 @@ def validate(cfg: JobConfig) -> JobConfig:
     cfg.budgets = sorted(set(cfg.budgets))
     if cfg.columns:
         if cfg.adapter != "generic":
-            raise ConfigError("columns maps the generic adapter's columns; the gsm8k and math "
+            raise ConfigError("columns maps the generic adapter's columns; the other "
                               "adapters read their corpus's own column names")
         bad = set(cfg.columns) - {"question", "cot", "answer", "id"}
         if bad:
@@ -183,9 +198,13 @@ def validate(cfg: JobConfig) -> JobConfig:
     lo, hi = cfg.actors
     if lo < 1 or hi < lo:
         raise ConfigError(f"actors must be N >= 1 or MIN,MAX with 1 <= MIN <= MAX, got {lo},{hi}")
-    for name in ("batch_size", "batch_tokens", "rows_per_file"):
+    for name in ("batch_size", "rows_per_file"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name} must be at least 1")
+    if cfg.batch_tokens != "auto" and cfg.batch_tokens < 1:
+        raise ConfigError("batch_tokens must be at least 1 or auto")
+    if cfg.max_memory is not None and cfg.max_memory < 1:
+        raise ConfigError(f"max_memory must be a positive size, got {cfg.max_memory} bytes")
     if cfg.limit is not None and cfg.limit < 1:
         raise ConfigError("limit must be at least 1")
     if cfg.gpus_per_actor is not None and cfg.gpus_per_actor < 0:
@@ -229,6 +248,9 @@ unavailable (retried for MIST_STORAGE_RETRY_S seconds, default 60; rerun to resu
 
 
 def build_parser(prog: str = "python -m pipelines.compress") -> argparse.ArgumentParser:
+    from mist_core.examples import ADAPTERS
+    from mist_core.templates import TEMPLATES
+
     d = JobConfig()
     p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -241,9 +263,12 @@ def build_parser(prog: str = "python -m pipelines.compress") -> argparse.Argumen
                         "hf://owner/name[:config][@split], or demo[:N] (default: demo)")
     g.add_argument("--format", choices=("auto", "jsonl", "parquet"),
                    help="file format; auto goes by the file name (default: auto)")
-    g.add_argument("--adapter", choices=("gsm8k", "math", "generic"),
+    g.add_argument("--adapter", choices=ADAPTERS,
                    help="how a row becomes (question, chain, answer): gsm8k splits the "
-                        "solution at ####, math takes the last \\boxed{}, generic reads three "
+                        "solution at ####, math takes the last \\boxed{}; long-CoT corpora "
+                        "(chain = the thinking block): openr1 (one example per correct "
+                        "generation), openthoughts (also Bespoke-Stratos), s1k, messages "
+                        "(chat rows); generic reads three "
                         "columns (default: generic)")
     g.add_argument("--columns", metavar="MAP",
                    help="generic adapter's columns, e.g. question=prompt,cot=reasoning,"
@@ -259,10 +284,16 @@ def build_parser(prog: str = "python -m pipelines.compress") -> argparse.Argumen
     g.add_argument("--rows-per-file", type=int, metavar="N",
                    help="input rows per group of output files; a group is the unit a crashed "
                         f"run keeps (default: {d.rows_per_file})")
-    g.add_argument("--sft-format", choices=("chat", "tokenskip"),
-                   help="chat: {messages: [...]} with the paper's directive; tokenskip: "
-                        "LLaMA-Factory alpaca records with {question}<|eot_id|>{γ}<|eot_id|> "
-                        "(default: chat)")
+    g.add_argument("--sft-format", choices=("prompt-completion", "messages", "alpaca",
+                                            "tokenskip", "chat"),
+                   help="prompt-completion: TRL's conversational {prompt, completion} (the "
+                        "loss on the completion only); messages: {messages: [user, "
+                        "assistant]} (chat: its earlier name); alpaca: LLaMA-Factory "
+                        "{instruction, input, output}; tokenskip: TokenSkip's alpaca records "
+                        "with {question}<|eot_id|>{γ}<|eot_id|>. Below γ = 1 the user turn "
+                        "asks to reduce (1-γ)%% of the tokens; messages, alpaca and tokenskip "
+                        "also write LLaMA-Factory's dataset_info.json (default: "
+                        "prompt-completion)")
     g.add_argument("--sft-mix", choices=("sample", "all"),
                    help="sample: one record per example, γ drawn uniformly from the budgets "
                         "and 1.0; all: one record per γ (default: sample)")
@@ -280,8 +311,10 @@ def build_parser(prog: str = "python -m pipelines.compress") -> argparse.Argumen
                    help="prune whole words or single tokens (default: word)")
     g.add_argument("--keep-digits", action="store_true",
                    help="always keep tokens with digits (may exceed the budget)")
-    g.add_argument("--template", choices=("auto", "chat", "plain"),
-                   help="prompt template (default: auto, the tokenizer's chat template if any)")
+    g.add_argument("--template", choices=TEMPLATES,
+                   help="prompt template; think puts the chain in the chat template's "
+                        "thinking block (Qwen3, DeepSeek-R1 distills) (default: auto: think "
+                        "where the chat template has a thinking block, else chat, else plain)")
     g.add_argument("--dtype", choices=DTYPES, help="model precision (default: float32, as the paper)")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="let transformers run Python code shipped with the model or tokenizer "
@@ -291,9 +324,16 @@ def build_parser(prog: str = "python -m pipelines.compress") -> argparse.Argumen
     g.add_argument("--batch-size", type=int, metavar="N",
                    help="chains per forward pass; a scoring actor takes 8 times as many rows "
                         f"per call and packs them by length (default: {d.batch_size})")
-    g.add_argument("--batch-tokens", type=int, metavar="N",
+    g.add_argument("--batch-tokens", metavar="N|auto",
                    help="padded tokens per forward pass; each call's rows are grouped by "
-                        f"length to fill it (default: {d.batch_tokens})")
+                        "length to fill it. auto: as many as --max-memory holds, else 4096 "
+                        f"(default: {d.batch_tokens})")
+    g.add_argument("--max-memory", metavar="SIZE",
+                   help="memory each scoring actor's passes may take beyond the model, e.g. "
+                        "6GB; the scorer picks batch sizes and recomputation within it and "
+                        "rejects a chain that cannot fit alone (too_long_for_memory). "
+                        "Default: 90%% of the GPU's free memory once the model is loaded; "
+                        "on CPU 60%% of the memory available when the actor starts")
     g.add_argument("--actors", metavar="N|MIN,MAX",
                    help="scoring actors, each with one model replica; MIN,MAX autoscales "
                         "(default: 1)")

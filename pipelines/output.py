@@ -13,7 +13,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from mist_core.formats import DATA_COLUMNS, budget_label
+from mist_core.formats import DATA_COLUMNS, LLAMAFACTORY_NAME, budget_label, llamafactory_entry
 
 from . import storage
 from .config import ConfigError
@@ -21,7 +21,11 @@ from .sink import DIRS, reject_key
 
 MANIFEST = "_manifest.json"
 PREVIOUS = "_manifest.previous.json"  # an earlier manifest while a run is in progress
-_OURS = set(DIRS) | {MANIFEST, PREVIOUS}
+DATASET_INFO = "dataset_info.json"  # LLaMA-Factory's entry for sft/ (formats.llamafactory_entry)
+# A parquet folder with no rows yet holds one empty file of its schema, so that glob reads
+# (duckdb 'rejects/*.parquet', polars) find a file and the columns instead of failing.
+EMPTY = "empty"
+_OURS = set(DIRS) | {MANIFEST, PREVIOUS, DATASET_INFO}
 
 
 @dataclass
@@ -85,8 +89,9 @@ class Output:
                 name = i.base_name
                 if i.type != pafs.FileType.File:
                     continue
+                stem = name.rsplit(".", 1)[0]
                 orphan = d in ("sft", "scores") and not name.startswith((".", "_")) \
-                    and name.rsplit(".", 1)[0] not in stems
+                    and stem not in stems and stem != EMPTY
                 if name.startswith("_tmp-") or orphan:
                     self.fs.delete_file(i.path)
                     removed += 1
@@ -117,6 +122,49 @@ class Output:
         return ex
 
     @storage.retried
+    def conform(self, schema: pa.Schema) -> int:
+        """Rewrite every data/ file whose schema is not `schema` (the run's: earlier runs'
+        columns, then this run's new extra columns) with the missing columns null-filled, so
+        that the folder has one schema and plain glob reads (polars, duckdb, `datasets`) see
+        every row and every column. Each file is replaced whole under its own name (it stays
+        its group's commit marker) and keeps its rows; a rerun after a crash finishes the
+        rest. Returns how many files were rewritten."""
+        rewritten = 0
+        for path in storage.list_files(self.fs, self.path("data")):
+            if not path.endswith(".parquet"):
+                continue
+            have = pq.read_schema(path, filesystem=self.fs)
+            if have.equals(schema, check_metadata=False):
+                continue
+            lost = set(have.names) - set(schema.names)
+            if lost:  # cannot happen: the run's schema keeps every earlier column
+                raise RuntimeError(f"{path}: columns {sorted(lost)} are not in the run's schema")
+            table = pq.read_table(path, filesystem=self.fs)
+            columns = [table.column(f.name).cast(f.type) if f.name in have.names
+                       else pa.nulls(table.num_rows, f.type) for f in schema]
+            storage.write_atomic(self.fs, path, pa.Table.from_arrays(columns, schema=schema))
+            rewritten += 1
+        return rewritten
+
+    @storage.retried
+    def ensure_files(self, schemas: dict[str, pa.Schema]) -> None:
+        """Give each parquet folder without a file one empty file of its schema (EMPTY)."""
+        for sub, schema in schemas.items():
+            if not [p for p in storage.list_files(self.fs, self.path(sub))
+                    if p.endswith(".parquet")]:
+                storage.write_atomic(self.fs, self.path(sub, f"{EMPTY}.parquet"),
+                                     schema.empty_table())
+
+    @storage.retried
+    def write_dataset_info(self, sft_format: str) -> None:
+        """LLaMA-Factory's dataset_info.json beside sft/, for the formats it reads: train
+        with `dataset_dir: <output>` and `dataset: mist`."""
+        entry = llamafactory_entry(sft_format)
+        if entry is not None:
+            text = json.dumps({LLAMAFACTORY_NAME: entry}, indent=2) + "\n"
+            storage.write_atomic(self.fs, self.path(DATASET_INFO), text.encode("utf-8"))
+
+    @storage.retried
     def stash_manifest(self) -> None:
         """While a run writes, no _manifest.json: its presence means a run finished. The
         last one is kept aside for the run history."""
@@ -132,25 +180,36 @@ class Output:
 
     @storage.retried
     def totals(self) -> dict:
-        """Read data/, sft/ and rejects/ back: rows per budget, duplicates, kept ratios."""
+        """Read data/, sft/ and rejects/ back: rows per budget, duplicates, the mean share
+        of chain tokens and of words kept per budget."""
         data = storage.read_parquet_dir(self.fs, self.path("data"),
-                                        columns=["id", "budget", "kept_tokens", "cot_tokens"])
+                                        columns=["id", "budget", "kept_tokens", "cot_tokens",
+                                                 "kept_words", "cot_words"])
         out = {"examples": 0, "rows_per_budget": {}, "duplicate_rows": 0,
-               "mean_kept_ratio": {}, "rejects": 0, "sft_records": 0}
+               "mean_kept_ratio": {}, "mean_kept_word_ratio": {}, "rejects": 0,
+               "sft_records": 0}
         if data is not None and data.num_rows:
             out["examples"] = len(set(data.column("id").to_pylist()))
             groups = data.group_by(["id", "budget"]).aggregate([("id", "count")])
             out["duplicate_rows"] = int(pc.sum(pc.subtract(groups.column("id_count"), 1)).as_py())
-            ratio = pc.divide(pc.cast(data.column("kept_tokens"), pa.float64()),
-                              pc.cast(data.column("cot_tokens"), pa.float64()))
-            by = pa.table({"budget": data.column("budget"), "ratio": ratio}).group_by(
-                "budget").aggregate([("ratio", "mean"), ("ratio", "count")])
-            for b, mean, n in zip(*(by.column(c).to_pylist()
-                                    for c in ("budget", "ratio_mean", "ratio_count"))):
+
+            def share(kept: str, total: str):
+                return pc.divide(pc.cast(data.column(kept), pa.float64()),
+                                 pc.cast(data.column(total), pa.float64()))
+
+            # Word counts are null in rows written before they were recorded: mean skips them.
+            by = pa.table({"budget": data.column("budget"), "n": data.column("id"),
+                           "tokens": share("kept_tokens", "cot_tokens"),
+                           "words": share("kept_words", "cot_words")}).group_by("budget").aggregate(
+                [("n", "count"), ("tokens", "mean"), ("words", "mean")])
+            for b, n, tokens, words in zip(*(by.column(c).to_pylist() for c in
+                                             ("budget", "n_count", "tokens_mean", "words_mean"))):
                 out["rows_per_budget"][budget_label(b)] = n
-                out["mean_kept_ratio"][budget_label(b)] = round(mean, 4)
-            out["rows_per_budget"] = dict(sorted(out["rows_per_budget"].items()))
-            out["mean_kept_ratio"] = dict(sorted(out["mean_kept_ratio"].items()))
+                out["mean_kept_ratio"][budget_label(b)] = round(tokens, 4)
+                if words is not None:
+                    out["mean_kept_word_ratio"][budget_label(b)] = round(words, 4)
+            for key in ("rows_per_budget", "mean_kept_ratio", "mean_kept_word_ratio"):
+                out[key] = dict(sorted(out[key].items()))
         rejects = storage.read_parquet_dir(self.fs, self.path("rejects"), columns=["reason"])
         out["rejects"] = 0 if rejects is None else rejects.num_rows
         out["sft_records"] = len(storage.read_jsonl_dir(self.fs, self.path("sft")))

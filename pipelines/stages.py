@@ -48,7 +48,17 @@ OK, REJECT, SKIP = "ok", "reject", "skip"
 
 # Columns each adapter reads; the rest of a row is passed through as extra columns.
 _CONSUMED = {"gsm8k": {"question", "answer", "solution", "id"},
-             "math": {"problem", "question", "solution", "answer", "id"}}
+             "math": {"problem", "question", "solution", "answer", "id"},
+             # openr1 also takes the per-generation lists (they describe every generation,
+             # not the one an example holds) and `messages`, one of the generations again.
+             "openr1": {"problem", "question", "answer", "uuid", "id", "generations",
+                        "correctness_math_verify", "correctness_llama",
+                        "is_reasoning_complete", "finish_reasons", "messages"},
+             "openthoughts": {"conversations", "id"},
+             # `cot` is s1K's empty (always null) chain column.
+             "s1k": {"question", "thinking_trajectories", "attempt", "cot",
+                     "deepseek_thinking_trajectory", "deepseek_attempt", "id"},
+             "messages": {"messages", "id"}}
 GENERIC_COLUMNS = {"question": "question", "cot": "cot", "answer": "answer", "id": "id"}
 
 
@@ -65,8 +75,18 @@ def _adapter(name: str, columns: tuple):
 
 def parse_row(raw: bytes, adapter: str, columns: dict,
               error: str | None = None) -> tuple[Example, dict]:
-    """Raw bytes -> (Example, extra columns). Raises InvalidExample with a reason code.
-    `error`: the read stage's note that the file could not be parsed from this row on."""
+    """Raw bytes -> (Example, extra columns), the row's first example where it gives
+    several (openr1). Raises InvalidExample with a reason code."""
+    examples, extras = parse_examples(raw, adapter, columns, error)
+    return examples[0], extras
+
+
+def parse_examples(raw: bytes, adapter: str, columns: dict,
+                   error: str | None = None) -> tuple[list[Example], dict]:
+    """Raw bytes -> (the row's examples, extra columns): one example, or several for an
+    adapter that fans a row out (openr1: one per usable generation). Raises InvalidExample
+    with a reason code. `error`: the read stage's note that the file could not be parsed
+    from this row on."""
     if error is not None:
         raise InvalidExample("unreadable_file", error)
     try:
@@ -83,11 +103,14 @@ def parse_row(raw: bytes, adapter: str, columns: dict,
         raise InvalidExample("not_an_object", f"a JSON {type(obj).__name__}, not an object")
     if "\\u" in text:  # only an escape can make a lone surrogate; valid UTF-8 holds none
         _check_surrogates(obj)
-    ex = _adapter(adapter, tuple(sorted(columns.items())))(obj)
+    found = _adapter(adapter, tuple(sorted(columns.items())))(obj)
+    examples = found if isinstance(found, list) else [found]
+    if not examples:  # an adapter rejects a row with its reason instead
+        raise RuntimeError(f"adapter {adapter} gave no example and no reason")
     skip = consumed_columns(adapter, columns)
     extras = {extra_name(k): v for k, v in obj.items()
               if k not in skip and not k.startswith("__index_level_")}
-    return ex, extras
+    return examples, extras
 
 
 def _check_surrogates(obj: dict) -> None:
@@ -106,25 +129,76 @@ def _raw_text(raw: bytes) -> str:
 
 
 def _reject(row: dict, reason: str, detail: str = "") -> dict:
-    row.update(status=REJECT, reason=reason, detail=detail)
+    row.update(status=REJECT, reason=reason, detail=detail or default_detail(reason))
     return row
 
 
+def default_detail(reason: str) -> str:
+    """Words for a reason whose error came without a detail, so that every reject says what
+    was wrong in a sentence as well as a code."""
+    m = re.fullmatch(r"empty_(\w+)", reason)
+    if m:
+        return f"{m[1]} is empty or only whitespace"
+    m = re.fullmatch(r"null_byte_in_(\w+)", reason)
+    if m:
+        return f"{m[1]} contains a NUL character (U+0000)"
+    return reason.replace("_", " ")
+
+
+# Where an adapter reads a row's id, when not from `id` (generic: its --columns mapping).
+_ID_COLUMNS = {"openr1": ("id", "uuid")}
+
+
+def readable_id(raw: bytes, adapter: str, columns: dict) -> str | None:
+    """The id of a row that failed validation, where it can still be read (a JSON object
+    whose id column holds a non-blank string or an integer), so that its reject names the
+    row as the corpus does."""
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if not isinstance(obj, dict):
+        return None
+    names = ((columns.get("id", "id"),) if adapter == "generic"
+             else _ID_COLUMNS.get(adapter, ("id",)))
+    for name in names:
+        value = obj.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+        if isinstance(value, str) and value.strip():
+            try:
+                value.encode("utf-8")  # a lone surrogate could not be written
+            except UnicodeEncodeError:
+                return None
+            return value
+    return None
+
+
+def _failed(row: dict, e: Exception, rec: dict) -> dict:
+    """A row rejected with the reason of an InvalidExample, or as unexpected_error (a bug or
+    a tokenizer failure on odd text: the row is kept and says why)."""
+    if isinstance(e, InvalidExample):
+        return _reject(row, e.reason, e.detail)
+    log.warning("unexpected error on %s row %s: %r", rec["source"], rec["row"], e)
+    return _reject(row, "unexpected_error", f"{type(e).__name__}: {e}")
+
+
 def plan_batch(batch: pa.Table, *, adapter: str, columns: dict) -> pa.Table:
-    """The planning pass: each row's id (null if it fails validation) and the value kinds of
-    its extra columns. Cheap (no tokenizer): it sizes the run before any scoring."""
+    """The planning pass: each row's example ids, in order (null if it fails validation), and
+    the value kinds of its extra columns. Cheap (no tokenizer): it sizes the run before any
+    scoring."""
     keys, kinds = [], []
     for raw, error in zip(batch.column("raw").to_pylist(), batch.column("error").to_pylist()):
         try:
-            ex, extras = parse_row(raw, adapter, columns, error)
+            examples, extras = parse_examples(raw, adapter, columns, error)
         except Exception:  # InvalidExample, or what prepare_batch rejects as unexpected_error
             keys.append(None)
             kinds.append(None)
             continue
-        keys.append(ex.key)
+        keys.append([ex.key for ex in examples])
         kinds.append(json.dumps({k: value_kind(v) for k, v in sorted(extras.items())}))
     return pa.table({"input": batch.column("input"), "source": batch.column("source"),
-                     "row": batch.column("row"), "key": pa.array(keys, pa.string()),
+                     "row": batch.column("row"), "keys": pa.array(keys, pa.list_(pa.string())),
                      "kinds": pa.array(kinds, pa.string())})
 
 
@@ -150,36 +224,46 @@ def prepare_batch(batch: pa.Table, *, adapter: str, columns: dict, model: str, t
                   done_ids: frozenset, dup_rows: frozenset,
                   trust_remote_code: bool = False) -> pa.Table:
     """Validate and tokenize: raw rows -> examples ready for the scorer, or rejects/skips.
-    `done_ids`: ids already in the output (refresh); `dup_rows`: (source, row) of rows whose
-    id appeared earlier in the input."""
+    A row gives one stream row per example (several for openr1), or one reject.
+    `done_ids`: ids already in the output (refresh); `dup_rows`: (source, row, index of the
+    example in its row) of examples whose id appeared earlier in the input."""
     tmpl = template_for(model, template, trust_remote_code)
     out = []
     for rec in batch.to_pylist():
-        row = {"input": rec["input"], "source": rec["source"], "row": rec["row"], "status": OK}
+        where = {"input": rec["input"], "source": rec["source"], "row": rec["row"]}
         raw = rec["raw"]
         try:
-            ex, extras = parse_row(raw, adapter, columns, rec.get("error"))
-            row.update(id=ex.key, question=ex.question, cot=ex.cot, answer=ex.answer)
-            if ex.key in done_ids:
-                row["status"] = SKIP
-            elif (rec["source"], rec["row"]) in dup_rows:
-                raise InvalidExample("duplicate_id", f"id {ex.key} appears earlier in the input")
-            else:
-                enc = tmpl.encode(ex)
-                row.update(extra=json.dumps(extras, ensure_ascii=False, default=str),
-                           source_ids=enc.source_ids.tolist(), chain_start=enc.chain_start,
-                           chain_len=enc.chain_len, answer_start=enc.answer_start,
-                           target_ids=enc.target_ids.tolist(), target_final=enc.target_final,
-                           chain_offsets=enc.chain_offsets.reshape(-1).tolist(),
-                           n_tokens=len(enc.source_ids) + len(enc.target_ids))
-        except InvalidExample as e:
-            _reject(row, e.reason, e.detail)
-        except Exception as e:  # a bug or a tokenizer failure on odd text: keep the row, say why
-            log.warning("unexpected error on %s row %s: %r", rec["source"], rec["row"], e)
-            _reject(row, "unexpected_error", f"{type(e).__name__}: {e}")
-        if row["status"] == REJECT:
-            row["raw"] = _raw_text(raw)
-        out.append(row)
+            examples, extras = parse_examples(raw, adapter, columns, rec.get("error"))
+        except Exception as e:
+            row = dict(where, status=OK, id=readable_id(raw, adapter, columns))
+            out.append(_failed(row, e, rec) | {"raw": _raw_text(raw)})
+            continue
+        for part, ex in enumerate(examples):
+            row = dict(where, status=OK, id=ex.key, question=ex.question, cot=ex.cot,
+                       answer=ex.answer)
+            try:
+                if ex.key in done_ids:
+                    row["status"] = SKIP
+                elif (rec["source"], rec["row"], part) in dup_rows:
+                    raise InvalidExample("duplicate_id",
+                                         f"id {ex.key} appears earlier in the input")
+                else:
+                    enc = tmpl.encode(ex)
+                    row.update(extra=json.dumps(extras, ensure_ascii=False, default=str),
+                               source_ids=enc.source_ids.tolist(), chain_start=enc.chain_start,
+                               chain_len=enc.chain_len, answer_start=enc.answer_start,
+                               target_ids=enc.target_ids.tolist(), target_final=enc.target_final,
+                               chain_offsets=enc.chain_offsets.reshape(-1).tolist(),
+                               n_tokens=len(enc.source_ids) + len(enc.target_ids))
+            except Exception as e:
+                _failed(row, e, rec)
+            if row["status"] == REJECT:
+                # The reject's raw text (part of its identity in rejects/): the row, or for
+                # one of a row's several examples that example alone, so that each rejected
+                # example is a record of its own and a rerun recognises it.
+                row["raw"] = _raw_text(raw) if len(examples) == 1 else json.dumps(
+                    {k: row[k] for k in ("id", "question", "cot", "answer")}, ensure_ascii=False)
+            out.append(row)
     # Length-aware batching, first half: the scoring actors take consecutive rows as a batch,
     # so sorting each block by length gives them batches of similar lengths (the scorer then
     # packs each batch into forward passes of at most batch_tokens padded tokens).
@@ -220,8 +304,9 @@ class ScoreActor:
     `batch_tokens` padded tokens, so short chains are not padded to long ones."""
 
     def __init__(self, *, model: str, method: str, dtype: str, device: str, alpha: float,
-                 batch_tokens: int, batch_size: int, template: str, threads: int | None = None,
-                 trust_remote_code: bool = False):
+                 batch_tokens: int | str, batch_size: int, template: str,
+                 threads: int | None = None, trust_remote_code: bool = False,
+                 max_memory: int | None = None):
         import torch
 
         if device == "cpu" and threads:
@@ -233,7 +318,8 @@ class ScoreActor:
         except Exception as e:  # the driver turns this into one line, with no retry
             raise ModelLoadError(f"a scoring actor could not load --model {model}: "
                                  f"{type(e).__name__}: {e}") from e
-        kwargs = dict(template=template, max_tokens=batch_tokens, max_batch=batch_size)
+        kwargs = dict(template=template, max_tokens=batch_tokens, max_batch=batch_size,
+                      max_memory="auto" if max_memory is None else max_memory)
         if method == "mist":
             kwargs["alpha"] = alpha
         self.scorer = get_scorer(method, self.lm, **kwargs)
@@ -246,7 +332,7 @@ class ScoreActor:
         out = []
         for enc in encs:
             try:
-                out.append(self.scorer.score_encoded([enc])[0])
+                out.append(self.scorer.score_encoded([enc], errors="return")[0])
             except Exception as e:
                 out.append(e)
         return out
@@ -258,14 +344,16 @@ class ScoreActor:
             t = time.perf_counter()
             encs = [_encoded(r) for r in todo]
             try:
-                results = self.scorer.score_encoded(encs)
+                results = self.scorer.score_encoded(encs, errors="return")
             except Exception:
                 print(f"[score] batch of {len(encs)} failed, retrying one by one:\n"
                       f"{traceback.format_exc()}", flush=True)
                 results = self._score_each(encs)
             dt = time.perf_counter() - t
             for row, res in zip(todo, results):
-                if isinstance(res, Exception):
+                if isinstance(res, InvalidExample):  # e.g. too_long_for_memory
+                    _reject(row, res.reason, res.detail)
+                elif isinstance(res, Exception):
                     _reject(row, "score_error", f"{type(res).__name__}: {res}")
                 elif not np.all(np.isfinite(res.scores)):
                     _reject(row, "nonfinite_scores", "the scorer returned NaN or inf")

@@ -311,6 +311,23 @@ def test_reject_details(job):
     assert long["reason"] == "too_long" and "model context 256" in long["detail"]
 
 
+def test_rejects_keep_the_id_they_could_read_and_a_detail(job):
+    """A row rejected for a bad field still names its id, and every reason says why."""
+    assert job.rejects and all(r["detail"].strip() for r in job.rejects.values())
+    checked = 0
+    for key, e in job.fates.items():
+        rej = job.rejects.get(key)
+        if rej is None or not isinstance(e.payload, dict):
+            continue
+        id_ = e.payload.get("id")
+        if isinstance(id_, int) and not isinstance(id_, bool):
+            id_ = str(id_)
+        if isinstance(id_, str) and id_.strip():
+            assert rej["id"] == id_, f"{key} ({rej['reason']}): id {rej['id']!r}, not {id_!r}"
+            checked += 1
+    assert checked > 10
+
+
 def test_folder_of_empty_files_only(local_ray, model_dir, tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

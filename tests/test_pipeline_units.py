@@ -13,7 +13,7 @@ import pytest
 from mist_core import get_adapter
 from mist_core.demo import demo_corpus
 from mist_core.formats import (budget_label, data_rows, data_schema, directive, extra_name,
-                               extra_value, fits, kinds_type, pick_budget, sft_chat,
+                               extra_value, fits, kinds_type, pick_budget, sft_messages,
                                sft_records, sft_tokenskip, value_kind)
 from pipelines import storage
 from pipelines.cli import main as cli_main
@@ -28,26 +28,26 @@ from pipelines.stages import parse_row
 
 
 @pytest.mark.parametrize("budget, text", [
-    (0.5, "Please reduce 50% of the words in your CoT."),
-    (0.7, "Please reduce 30% of the words in your CoT."),
-    (0.9, "Please reduce 10% of the words in your CoT."),
-    (0.55, "Please reduce 45% of the words in your CoT."),
+    (0.5, "Please reduce 50% of the tokens in your CoT."),
+    (0.7, "Please reduce 30% of the tokens in your CoT."),
+    (0.9, "Please reduce 10% of the tokens in your CoT."),
+    (0.55, "Please reduce 45% of the tokens in your CoT."),
 ])
-def test_directive_follows_the_paper(budget, text):
+def test_directive_follows_the_paper_in_the_budget_unit(budget, text):
     assert directive(budget) == text
 
 
 def test_no_directive_at_full_chain():
     assert directive(1.0) is None
-    rec = sft_chat(id="a", question="Q?", cot="step", answer="4", budget=1.0)
+    rec = sft_messages(id="a", question="Q?", cot="step", answer="4", budget=1.0)
     assert rec["messages"][0] == {"role": "user", "content": "Q?"}
     assert rec["messages"][1] == {"role": "assistant", "content": "step\n\nThe answer is 4"}
 
 
 def test_chat_record_carries_directive_and_chain():
-    rec = sft_chat(id="a", question="Q?", cot="short", answer="4", budget=0.6)
+    rec = sft_messages(id="a", question="Q?", cot="short", answer="4", budget=0.6)
     assert [m["role"] for m in rec["messages"]] == ["user", "assistant"]
-    assert rec["messages"][0]["content"] == "Q?\n\nPlease reduce 40% of the words in your CoT."
+    assert rec["messages"][0]["content"] == "Q?\n\nPlease reduce 40% of the tokens in your CoT."
     assert rec["messages"][1]["content"].startswith("short\n\n")
     assert rec["budget"] == 0.6 and rec["id"] == "a"
 
@@ -65,12 +65,13 @@ def test_sft_mix_all_and_sample():
     every = sft_records(id="x", question="Q", cot=" full ", answer="1", compressed=compressed,
                         mix="all")
     assert [r["budget"] for r in every] == [0.5, 0.8, 1.0]
-    assert [r["messages"][1]["content"].split("\n\n")[0] for r in every] == ["half", "most", "full"]
+    assert [r["completion"][0]["content"].split("\n\n")[0] for r in every] == \
+        ["half", "most", "full"]
     one = sft_records(id="x", question="Q", cot="full", answer="1", compressed=compressed)
     assert len(one) == 1 and one == sft_records(id="x", question="Q", cot="full", answer="1",
                                                 compressed=compressed)
     with pytest.raises(ValueError):
-        sft_records(id="x", question="Q", cot="c", answer="1", compressed={}, fmt="alpaca")
+        sft_records(id="x", question="Q", cot="c", answer="1", compressed={}, fmt="sharegpt")
 
 
 def test_budget_draw_is_stable_and_roughly_uniform():
@@ -109,9 +110,10 @@ def test_data_rows_one_per_budget_with_extras():
     assert table.num_rows == 2
     assert table.column("budget").to_pylist() == [0.5, 0.9]
     assert table.column("tags").to_pylist() == ['["a"]', '["a"]']
-    assert table.schema.names[:10] == ["id", "question", "cot", "answer", "budget",
-                                       "compressed_cot", "kept_tokens", "cot_tokens", "method",
-                                       "model"]
+    assert table.schema.names[:12] == ["id", "question", "cot", "answer", "budget",
+                                       "compressed_cot", "kept_tokens", "cot_tokens",
+                                       "kept_words", "cot_words", "method", "model"]
+    assert table.column("kept_words").to_pylist() == [1, 1]
 
 # ------------------------------------------------------------------ demo corpus
 
@@ -280,7 +282,8 @@ def test_parse_row_extras_and_mapping():
 
 
 def _plan(read, done=0, invalid=0):
-    return Plan(read=read, invalid=invalid, done=done, duplicates=0, to_score=read - done,
+    return Plan(read=read, examples=read, invalid=invalid, done=done, duplicates=0,
+                to_score=read - done,
                 row_limits=None, dup_rows=frozenset(), extras=pa.schema([]), seconds=0.0)
 
 

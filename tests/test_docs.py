@@ -1,0 +1,292 @@
+"""The README, run. Every command line in its shell blocks is parsed by the program it calls
+(or, for commands that are not ours, checked to be one the README explains); the blocks a
+test machine can run are run as written, the ones that need the real SmolLM2 model marked
+slow. Python and YAML blocks must each be claimed by a test here, so the README and its
+tests cannot drift apart. What is only parsed needs what a test machine lacks: a cluster,
+a cloud bucket, the Hugging Face Hub, a GPU or hours of CPU."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from contextlib import redirect_stdout
+from io import StringIO
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import yaml
+
+from conftest import loopback_ray
+from mist_core.demo import demo_corpus
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text(encoding="utf-8")
+BIN = Path(sys.executable).parent
+
+
+def blocks(lang: str | None = None) -> list[tuple[str, str]]:
+    """(language, text) of every fenced code block, in order."""
+    found = re.findall(r"^```(\w*)\n(.*?)^```", README, re.M | re.S)
+    return [(k, t) for k, t in found if lang is None or k == lang]
+
+
+def block(marker: str) -> str:
+    """The one code block that contains `marker`."""
+    hits = [t for _, t in blocks() if marker in t]
+    assert len(hits) == 1, f"{len(hits)} README blocks contain {marker!r}"
+    return hits[0]
+
+
+# Python and YAML blocks, by a line each holds, and the test that runs or checks them.
+CLAIMED = {
+    "from mist_core import load_model, Example": "test_library_block (slow)",
+    "data = pl.read_parquet(": "test_reading_and_training_recipes",
+    "trainer = SFTTrainer(": "test_reading_and_training_recipes",
+    "dataset: mist": "test_llamafactory_recipe",
+}
+
+
+def test_every_python_and_yaml_block_is_claimed():
+    for lang, text in blocks():
+        if lang in ("python", "yaml"):
+            assert any(m in text for m in CLAIMED), \
+                f"README {lang} block not run by a test:\n{text}"
+    for marker in CLAIMED:
+        block(marker)
+
+
+# ------------------------------------------------------------------ shell commands
+
+
+def commands(text: str) -> list[str]:
+    """The command lines of a shell block: continuations joined, comments dropped."""
+    out = []
+    for line in text.replace("\\\n", " ").splitlines():
+        line = re.sub(r"(^|\s)#.*$", "", line).strip()
+        if line:
+            out.append(line)
+    return out
+
+
+class Parsed(BaseException):
+    """Raised once a program's argument parser accepted its arguments: nothing else runs."""
+
+
+def parse_only(main, argv: list[str]) -> None:
+    real = argparse.ArgumentParser.parse_args
+
+    def parse(self, args=None, namespace=None):
+        real(self, args, namespace)
+        raise Parsed
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", parse), \
+            redirect_stdout(StringIO()):
+        try:
+            main(argv)
+        except Parsed:
+            return
+        except SystemExit as e:  # --help prints and exits 0; a bad flag exits 2
+            assert e.code == 0, f"exit {e.code}"
+            return
+    raise AssertionError("the program ran past its argument parser")
+
+
+def check_python(module: str, argv: list[str]) -> None:
+    """Parse a `python -m module …` command line as that program does, settings checked."""
+    if module == "pipelines.compress" and "--help" not in argv:
+        from pipelines.config import parse_args
+
+        parse_args(argv)
+    elif module == "pipelines.evaluate" and "--help" not in argv:
+        from pipelines.evaluate import parse_args
+
+        parse_args(argv, "python -m pipelines.evaluate")
+    else:
+        parse_only(importlib.import_module(module).main, argv)
+
+
+MIST = {"compress": "pipelines.compress", "eval": "pipelines.evaluate", "bench": "pipelines.bench",
+        "soak": "pipelines.soak"}
+OTHER_PROGRAMS = {"ray", "source", "deactivate", "export"}  # the README says what each does
+
+
+def check_command(line: str) -> str:
+    """Check one command line; returns what it was checked as."""
+    words = shlex.split(line)
+    if "--" in words:  # `ray job submit … -- python -m …`: the job's own command line too
+        cut = words.index("--")
+        check_command(shlex.join(words[cut + 1:]))
+        words = words[:cut]
+    if words[:5] == ["0", "3", "*", "*", "*"]:  # a crontab entry: `cd … && …`
+        words = words[5:]
+    if "&&" in words:
+        cut = words.index("&&")
+        assert words[0] == "cd", line
+        words = words[cut + 1:]
+    while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+        words = words[1:]
+    program = words[0].removeprefix(".venv/bin/")
+    if program == "python" and words[1] == "-m":
+        check_python(words[2], words[3:])
+        return "python"
+    if program == "mist":
+        if words[1] == "--help":
+            from pipelines.cli import main
+
+            with redirect_stdout(StringIO()):
+                assert main(["--help"]) == 0
+        elif words[1] == "model-path":
+            from pipelines.cli import model_path
+
+            parse_only(model_path, words[2:])
+        else:
+            check_python(MIST[words[1]], words[2:])
+        return "python"
+    if program == "make":
+        assert re.search(rf"^{re.escape(words[1])}:", (REPO / "Makefile").read_text(), re.M), line
+        return "make"
+    if program == "benchmarks/gpu.sh":
+        assert os.access(REPO / program, os.X_OK), line
+        return "script"
+    assert program in OTHER_PROGRAMS, f"unknown program in README command: {line}"
+    return "other"
+
+
+def test_every_command_line_parses(monkeypatch):
+    monkeypatch.chdir(REPO)  # --config pipelines/configs/gsm8k.yaml and the like
+    kinds, failures = [], []
+    for lang, text in blocks("bash"):
+        for line in commands(text):
+            try:
+                kinds.append(check_command(line))
+            except (Exception, SystemExit) as e:
+                failures.append(f"{line}\n    {type(e).__name__}: {e}")
+    assert not failures, "README commands that do not parse:\n" + "\n".join(failures)
+    assert kinds.count("python") >= 15 and "make" in kinds
+
+
+def shell(script: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess:
+    """A README shell block as a user runs it inside the venv (its bin first on PATH, what
+    `source .venv/bin/activate` does)."""
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+    env.pop("RAY_ADDRESS", None)
+    p = subprocess.run(["bash", "-eo", "pipefail", "-c", script], cwd=cwd, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
+def test_venv_block_runs_as_written():
+    """The block that says how to run commands inside the venv, run in the checkout."""
+    p = shell(block("source .venv/bin/activate"), REPO, timeout=300)
+    assert "usage: python -m pipelines.compress" in p.stdout and "model-path" in p.stdout
+
+
+# ------------------------------------------------------------------ recipes on an output
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, model_dir):
+    """A folder like the checkout after the demo: outputs/demo written by the job (tiny
+    model, with scores/ and one reject), outputs/gsm8k with alpaca records."""
+    from pipelines import compress
+    from pipelines.config import JobConfig, validate
+
+    work = tmp_path_factory.mktemp("work")
+    corpus = work / "corpus.jsonl"
+    rows = demo_corpus(6, seed=5) + [{"id": "no-chain", "question": "q", "answer": "1"}]
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with loopback_ray():
+        for out, kw in (("outputs/demo", {"scores": True}),
+                        ("outputs/gsm8k", {"sft_format": "alpaca"})):
+            compress.run(validate(JobConfig(input=[str(corpus)], output=str(work / out),
+                                            model=str(model_dir), budgets=[0.5, 0.8],
+                                            batch_size=8, **kw)))
+    return work
+
+
+def run_python(text: str, cwd: Path, monkeypatch) -> dict:
+    """Execute a README Python block in `cwd`; returns its variables."""
+    import datasets
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cwd / "hf-cache"))
+    scope = {"__name__": "__readme__"}
+    with redirect_stdout(StringIO()) as printed:
+        exec(compile(text, "README.md", "exec"), scope)
+    scope["printed"] = printed.getvalue()
+    return scope
+
+
+def test_reading_and_training_recipes(workdir, model_dir, monkeypatch):
+    read = run_python(block("data = pl.read_parquet("), workdir, monkeypatch)
+    assert read["data"].height == 6 * 2 and read["hf"].num_rows == 6 * 2
+    assert read["table"].num_rows == 6 * 2 and read["sft"].num_rows == 6
+    assert "('missing_column', 1)" in read["printed"]
+    # The model the README trains is SmolLM2, minutes of CPU: the tiny model stands in.
+    train = block("trainer = SFTTrainer(").replace('"smollm2-135m-instruct"', repr(str(model_dir)))
+    scope = run_python(train, workdir, monkeypatch)
+    assert scope["trainer"].state.global_step >= 1
+    assert all(p.requires_grad for p in scope["trainer"].model.parameters())
+
+
+def test_llamafactory_recipe(workdir, tmp_path):
+    from test_outputs import llamafactory_load
+
+    config = yaml.safe_load(block("dataset: mist"))
+    assert config["stage"] == "sft" and config["dataset"] == "mist"
+    turns = llamafactory_load(workdir / config["dataset_dir"], config["dataset"], tmp_path)
+    assert len(turns) == 6 and all(t["assistant"] for t in turns)
+
+
+# ------------------------------------------------------------------ with SmolLM2 (slow)
+
+
+def outside_checkout(tmp_path: Path) -> Path:
+    """A working folder where `../shared` is this checkout's `../shared`, as in the README."""
+    (tmp_path / "shared").symlink_to(REPO.parent / "shared")
+    (tmp_path / "work").mkdir()
+    return tmp_path / "work"
+
+
+@pytest.mark.slow
+def test_demo_then_recipes_as_written(tmp_path, monkeypatch):
+    """`make demo` is `python -m pipelines.compress` (the README says so): run it twice, as
+    the README's First run describes, then read its output as written. (Training SmolLM2 on
+    it takes minutes on CPU: test_reading_and_training_recipes trains the tiny model.)"""
+    work = outside_checkout(tmp_path)
+    first = shell(block("make demo                      # =").split("# = ")[1].split("(")[0]
+                  .replace(".venv/bin/", ""), work, timeout=900)
+    assert "outputs/demo" in first.stdout and "48 examples x 5 budgets" in first.stdout
+    again = shell("python -m pipelines.compress", work, timeout=600)
+    assert "scored 0, rejected 0, already done 48" in again.stdout
+    read = run_python(block("data = pl.read_parquet("), work, monkeypatch)
+    assert read["data"].height == 48 * 5 and read["sft"].num_rows == 48
+
+
+@pytest.mark.slow
+def test_gsm8k_command_as_written(tmp_path):
+    work = outside_checkout(tmp_path)
+    gsm8k = block("# GSM8K from this machine").split("\n\n")[0]
+    p = shell(gsm8k, work, timeout=900)
+    manifest = json.loads((work / "outputs/gsm8k/_manifest.json").read_text())
+    assert manifest["counts"]["read"] == 20 and manifest["counts"]["scored"] >= 19, p.stdout
+    assert (work / "outputs/gsm8k/scores").is_dir()
+
+
+@pytest.mark.slow
+def test_library_block(monkeypatch, tmp_path):
+    scope = run_python(block("from mist_core import load_model, Example"), tmp_path, monkeypatch)
+    assert scope["nec"].shape == scope["suf"].shape == (2, len(scope["s"].scores))
+
+
+@pytest.mark.slow
+def test_model_path_command_as_written(tmp_path):
+    p = shell(block("mist model-path smollm2-135m-instruct"), tmp_path, timeout=300)
+    assert (Path(p.stdout.strip()) / "config.json").is_file()
