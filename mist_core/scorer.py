@@ -127,10 +127,8 @@ class Scorer:
                     raise
                 memory.release(self.lm.device)
                 if len(idx) == 1:
-                    out[idx[0]] = InvalidExample(
-                        "too_long_for_memory", f"{self.batch_length(batch[0])} tokens ran out of "
-                        f"memory even alone{self._cap_text()}: {str(e).splitlines()[0]}",
-                        batch[0].example.id)
+                    out[idx[0]] = self._too_long(batch[0], "ran out of memory even alone",
+                                                 f": {str(e).splitlines()[0]}")
                     return
                 plan = None
             else:
@@ -138,17 +136,17 @@ class Scorer:
                     out[i] = res
                 return
         if len(idx) == 1:
-            out[idx[0]] = InvalidExample(
-                "too_long_for_memory", f"{self.batch_length(batch[0])} tokens need about "
-                f"{memory.gib(self.need(batch, recompute=True))} even alone{self._cap_text()}",
-                batch[0].example.id)
+            need = memory.gib(self.need(batch, recompute=True))
+            out[idx[0]] = self._too_long(batch[0], f"need about {need} even alone")
             return
         half = len(idx) // 2
         self._score_fitting(idx[:half], encoded, out)
         self._score_fitting(idx[half:], encoded, out)
 
-    def _cap_text(self) -> str:
-        return f", over max_memory {memory.gib(self.max_memory)}" if self.max_memory else ""
+    def _too_long(self, enc: Encoded, why: str, after: str = "") -> InvalidExample:
+        cap = f", over max_memory {memory.gib(self.max_memory)}" if self.max_memory else ""
+        return InvalidExample("too_long_for_memory",
+                              f"{self.batch_length(enc)} tokens {why}{cap}{after}", enc.example.id)
 
     def token_budget(self) -> int:
         return 4096 if self.max_tokens == "auto" else int(self.max_tokens)
