@@ -23,8 +23,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
+# The library's unit tests only: no Ray, S3 server, subprocess job or SmolLM2 (see pyproject's markers).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow and not integration"
 
 # Everything behind docs/results (about 85 min on 2 CPU cores); resumes what is stored.
 eval-full: $(STAMP)

@@ -10,6 +10,10 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The test models are tiny: a second intra-op thread only adds synchronisation, and on a busy
+# 2-core machine every op then waits for a time slice (test_eq1_and_greedy_match_plain_computations:
+# 58 s with 2 threads, 1.2 s with 1). Only this process: Ray workers and job subprocesses set theirs.
+torch.set_num_threads(1)
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -182,6 +182,7 @@ def shell(script: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess:
     return p
 
 
+@pytest.mark.integration
 def test_venv_block_runs_as_written():
     """The block that says how to run commands inside the venv, run in the checkout."""
     p = shell(block("source .venv/bin/activate"), REPO, timeout=300)
@@ -224,6 +225,7 @@ def run_python(text: str, cwd: Path, monkeypatch) -> dict:
     return scope
 
 
+@pytest.mark.integration
 def test_reading_and_training_recipes(workdir, model_dir, monkeypatch):
     read = run_python(block("data = pl.read_parquet("), workdir, monkeypatch)
     assert read["data"].height == 6 * 2 and read["hf"].num_rows == 6 * 2
@@ -236,6 +238,7 @@ def test_reading_and_training_recipes(workdir, model_dir, monkeypatch):
     assert all(p.requires_grad for p in scope["trainer"].model.parameters())
 
 
+@pytest.mark.integration
 def test_llamafactory_recipe(workdir, tmp_path):
     from test_outputs import llamafactory_load
 
@@ -256,6 +259,7 @@ def outside_checkout(tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_demo_then_recipes_as_written(tmp_path, monkeypatch):
     """`make demo` is `python -m pipelines.compress` (the README says so): run it twice, as
     the README's First run describes, then read its output as written. (Training SmolLM2 on
@@ -271,6 +275,7 @@ def test_demo_then_recipes_as_written(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_gsm8k_command_as_written(tmp_path):
     work = outside_checkout(tmp_path)
     gsm8k = block("# GSM8K from this machine").split("\n\n")[0]
@@ -281,12 +286,14 @@ def test_gsm8k_command_as_written(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_library_block(monkeypatch, tmp_path):
     scope = run_python(block("from mist_core import load_model, Example"), tmp_path, monkeypatch)
     assert scope["nec"].shape == scope["suf"].shape == (2, len(scope["s"].scores))
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_model_path_command_as_written(tmp_path):
     p = shell(block("mist model-path smollm2-135m-instruct"), tmp_path, timeout=300)
     assert (Path(p.stdout.strip()) / "config.json").is_file()

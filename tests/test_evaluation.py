@@ -319,6 +319,7 @@ def _train(model, opt, template, rng, eot) -> float:
     return float(loss.detach())
 
 
+@pytest.mark.integration  # copy_lm trains a model first: 20-45 s on 2 busy cores
 def test_one_token_carries_the_answer(copy_lm):
     scorer = MistScorer(copy_lm)
     rng = random.Random(1)

@@ -12,6 +12,8 @@ from pipelines import evaluate, report, saliency
 
 from conftest import make_model
 
+pytestmark = pytest.mark.integration  # pipelines.evaluate on an in-process Ray
+
 METHODS = [m for m in evaluate.ALL_METHODS if m != "llmlingua2"]  # needs the hub: not in CI
 
 

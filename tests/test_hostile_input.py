@@ -233,6 +233,7 @@ def job(local_ray, model_dir, tmp_path_factory) -> Run:
 CASES = sorted({e.case for e in expected_fates().values()})
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("case", CASES)
 def test_each_row_gets_its_fate(job, case):
     data_ids = Counter(r["id"] for r in job.data)
@@ -254,6 +255,7 @@ def test_each_row_gets_its_fate(job, case):
     assert checked
 
 
+@pytest.mark.integration
 def test_counts_reconcile_and_no_row_is_lost(job):
     c = job.manifest["counts"]
     assert c["read"] == len(job.fates)  # the empty files add no rows
@@ -268,6 +270,7 @@ def test_counts_reconcile_and_no_row_is_lost(job):
     assert sum(c["rejected_by_reason"].values()) == c["rejected"]
 
 
+@pytest.mark.integration
 def test_unreadable_parquet_files(job):
     """Random bytes, a truncated file and an empty file: one reject each, at row 1. A file
     damaged in its second row group: the rows before it are scored, the reject is row 3."""
@@ -282,6 +285,7 @@ def test_unreadable_parquet_files(job):
     assert {r["id"] for r in job.data if r["id"].startswith("dmg")} == {"dmg0", "dmg1"}
 
 
+@pytest.mark.integration
 def test_extra_columns_pass_through(job):
     row = next(r for r in job.data if r["id"] == "a-extra")
     assert (row["difficulty"], row["flag"], row["ratio"]) == (3, True, 0.25)
@@ -290,6 +294,7 @@ def test_extra_columns_pass_through(job):
     assert row["topic"]
 
 
+@pytest.mark.integration
 def test_unicode_text_survives_unchanged(job):
     by_id = {r["id"]: r for r in job.data}
     for (name, _), e in job.fates.items():
@@ -302,6 +307,7 @@ def test_unicode_text_survives_unchanged(job):
     assert "question" in detail and "\\ud800" in detail
 
 
+@pytest.mark.integration
 def test_reject_details(job):
     deep = next(r for r in job.rejects.values() if r["detail"] == "nested too deeply")
     assert deep["reason"] == "invalid_json"
@@ -311,6 +317,7 @@ def test_reject_details(job):
     assert long["reason"] == "too_long" and "model context 256" in long["detail"]
 
 
+@pytest.mark.integration
 def test_rejects_keep_the_id_they_could_read_and_a_detail(job):
     """A row rejected for a bad field still names its id, and every reason says why."""
     assert job.rejects and all(r["detail"].strip() for r in job.rejects.values())
@@ -328,6 +335,7 @@ def test_rejects_keep_the_id_they_could_read_and_a_detail(job):
     assert checked > 10
 
 
+@pytest.mark.integration
 def test_folder_of_empty_files_only(local_ray, model_dir, tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -340,6 +348,7 @@ def test_folder_of_empty_files_only(local_ray, model_dir, tmp_path):
     assert (tmp_path / "out" / "_manifest.json").exists()
 
 
+@pytest.mark.integration
 def test_corrupt_gzip_fails_the_job(local_ray, model_dir, tmp_path):
     """A corrupt gzip stream shows as OSError, as a storage failure does: it fails the run
     (no manifest, nothing lost silently) rather than becoming a reject."""
@@ -405,6 +414,7 @@ def _key(row: dict) -> str:
         row["question"], row["cot"], row["answer"])
 
 
+@pytest.mark.integration
 @settings(max_examples=6, deadline=None, database=None,
           phases=[Phase.explicit, Phase.reuse, Phase.generate],  # no shrinking: each try is a run
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

@@ -9,6 +9,8 @@ from conftest import loopback_ray
 from mist_core import Example, MistScorer, load_model
 from pipelines import compress, storage
 
+pytestmark = pytest.mark.integration  # the job on a local Ray
+
 
 @pytest.fixture(scope="module")
 def local_ray():

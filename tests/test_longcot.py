@@ -379,6 +379,7 @@ def ids_per_budget(out) -> dict:
     return {b: sorted(r["id"] for r in data if r["budget"] == b) for b in (0.5, 0.8)}
 
 
+@pytest.mark.integration
 def test_openr1_through_the_job(local_ray, qwen3_model, tmp_path):
     """A folder of OpenR1 parquet (as published) and JSONL: rows fan out to one example per
     correct generation, every example and row has one fate, and a rerun writes nothing."""
@@ -437,6 +438,7 @@ def test_openr1_through_the_job(local_ray, qwen3_model, tmp_path):
     assert ids_per_budget(out) == {b: ["u1#0", "u1#2", "u3#0"] for b in (0.5, 0.8)}
 
 
+@pytest.mark.integration
 def test_openthoughts_through_the_job(local_ray, qwen3_model, tmp_path):
     corpus = tmp_path / "openthoughts.jsonl"
     write_jsonl(corpus, [
@@ -457,6 +459,7 @@ def test_openthoughts_through_the_job(local_ray, qwen3_model, tmp_path):
     assert {r["system"] for r in read_dir(out, "data")} == {SYSTEM}
 
 
+@pytest.mark.integration
 def test_s1k_through_the_job(local_ray, qwen3_model, tmp_path):
     corpus = tmp_path / "s1k"
     corpus.mkdir()
@@ -476,6 +479,7 @@ def test_s1k_through_the_job(local_ray, qwen3_model, tmp_path):
     assert ids_per_budget(out) == {0.5: want, 0.8: want}
 
 
+@pytest.mark.integration
 def test_messages_through_the_job(local_ray, qwen3_model, tmp_path):
     corpus = tmp_path / "chat.jsonl"
     write_jsonl(corpus, [

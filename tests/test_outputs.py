@@ -69,6 +69,7 @@ def refreshed(local_ray, model_dir, tmp_path_factory):
 N_DATA = (len(FIRST) + len(SECOND)) * len(BUDGETS)
 
 
+@pytest.mark.integration
 def test_refresh_rewrites_earlier_files_to_one_schema(refreshed):
     out = refreshed["out"]
     first, second = refreshed["first"], refreshed["second"]
@@ -85,6 +86,7 @@ def test_refresh_rewrites_earlier_files_to_one_schema(refreshed):
     assert second["totals"]["rows_per_budget"] == {"0.5": 7, "0.8": 7}
 
 
+@pytest.mark.integration
 def test_polars_reads_every_row_and_column(refreshed):
     import polars as pl
 
@@ -99,6 +101,7 @@ def test_polars_reads_every_row_and_column(refreshed):
     assert rejects["id"].to_list() == ["bad"]
 
 
+@pytest.mark.integration
 def test_duckdb_reads_every_row_and_column(refreshed):
     import duckdb
 
@@ -113,6 +116,7 @@ def test_duckdb_reads_every_row_and_column(refreshed):
     assert refreshed["no_rejects_columns"] == REJECT_SCHEMA.names
 
 
+@pytest.mark.integration
 def test_datasets_and_pyarrow_read_every_row_and_column(refreshed, tmp_path):
     import datasets
     import pyarrow.dataset as pads
@@ -127,6 +131,7 @@ def test_datasets_and_pyarrow_read_every_row_and_column(refreshed, tmp_path):
     assert pq.read_table(out / "rejects").num_rows == 1
 
 
+@pytest.mark.integration
 def test_manifest_measures_the_kept_share_in_tokens_and_words(refreshed):
     import polars as pl
 
@@ -205,6 +210,7 @@ def read_sft(out: Path) -> list[dict]:
             for x in p.read_text().splitlines()]
 
 
+@pytest.mark.integration
 def test_trl_trains_on_prompt_completion_with_the_loss_on_the_completion(refreshed, model_dir,
                                                                          tmp_path):
     from transformers import AutoTokenizer
@@ -234,6 +240,7 @@ def formats(local_ray, model_dir, tmp_path_factory):
     return outs
 
 
+@pytest.mark.integration
 def test_trl_trains_on_messages_with_the_loss_on_the_assistant_turn(formats, model_dir, tmp_path):
     """The messages layout is TRL's conversational language modeling: assistant_only_loss
     puts the loss on the assistant turn, given a chat template with generation markers."""
@@ -278,6 +285,7 @@ def llamafactory_load(dataset_dir: Path, name: str, tmp_path) -> list[dict]:
     return turns
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("fmt", ["alpaca", "messages"])
 def test_llamafactory_entry_reads_the_records(formats, fmt, tmp_path):
     out = formats[fmt]

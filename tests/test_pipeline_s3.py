@@ -21,6 +21,8 @@ from pipelines import compress, storage
 from pipelines.config import ConfigError, JobConfig, validate
 from s3_server import SECRET_KEY, environ_patch, keys, moto_s3, s3_client, s3_env
 
+pytestmark = pytest.mark.integration  # moto_server and the job on a local Ray
+
 BUCKET = "mist-pipeline-test"
 BUDGETS = [0.5, 0.8]
 

@@ -10,7 +10,7 @@ from mist_core import MistScorer, get_adapter, get_scorer, load_model, prune
 from mist_core.exact import exact_scores_encoded
 from reference import first_order
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 

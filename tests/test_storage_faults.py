@@ -25,6 +25,8 @@ from pipelines import compress
 from pipelines.config import JobConfig, validate
 from s3_server import SECRET_KEY, environ_patch, keys, moto_s3, s3_client, s3_env
 
+pytestmark = pytest.mark.integration  # moto_server, the job on Ray and in subprocesses
+
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = "mist-fault-test"
 BUDGETS = [0.5, 0.8]
