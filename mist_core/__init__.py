@@ -1,5 +1,6 @@
 """MIST: model-internal token saliency for chain-of-thought compression."""
-from .errors import InvalidExample, MissingDependency, MistError, UnsupportedModel
+from .errors import (InvalidExample, MissingDependency, MistError, NonFiniteScores,
+                     UnsupportedModel)
 from .examples import Example, get_adapter
 from .models import LM, load_model, model_path, wrap_model
 from .prune import Compressed, prune
@@ -8,5 +9,5 @@ from .scorer import MistScorer, ScoredChain, Scorer
 from .templates import get_template
 
 __all__ = ["Compressed", "Example", "InvalidExample", "LM", "MissingDependency", "MistError",
-           "MistScorer", "ScoredChain", "Scorer", "UnsupportedModel", "get_adapter",
+           "MistScorer", "NonFiniteScores", "ScoredChain", "Scorer", "UnsupportedModel", "get_adapter",
            "get_scorer", "get_template", "load_model", "model_path", "prune", "scorer_names", "wrap_model"]

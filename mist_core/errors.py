@@ -18,6 +18,21 @@ class InvalidExample(MistError):
         super().__init__(msg)
 
 
+class NonFiniteScores(InvalidExample):
+    """A chain whose log-likelihoods, gradients or raw axis values came out NaN or inf (a
+    model with broken weights, an overflow in low precision): its scores would be garbage,
+    and the per-chain normalisation would hide it as all-zero scores, so the chain fails
+    instead. Reason `nonfinite_scores`; `detail` says which quantity."""
+
+    REASON = "nonfinite_scores"
+
+    def __init__(self, detail: str = "", example_id=None):
+        super().__init__(self.REASON, detail, example_id)
+
+    def __reduce__(self):  # picklable with its one-argument signature (Ray ships it)
+        return (type(self), (self.detail, self.example_id))
+
+
 class UnsupportedModel(MistError):
     """A model whose decoder blocks, embeddings or unembedding cannot be located."""
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from . import memory
-from .errors import InvalidExample
+from .errors import InvalidExample, NonFiniteScores
 from .examples import Example
 from .models import LM
 from .templates import Encoded, get_template
@@ -60,9 +60,11 @@ class ScoredChain:
 
 
 class Scorer:
-    """Scores chains in batches. Subclasses implement `_score_batch` over encoded examples;
+    """Scores chains in batches. Subclasses implement `_score_batch` over encoded examples
+    (an InvalidExample in the place of a chain that fails alone, e.g. NonFiniteScores);
     batching is by token budget over length-sorted examples, and results come back in
-    input order.
+    input order. A chain whose scores hold NaN or inf fails as NonFiniteScores, whatever
+    the scorer.
 
     max_memory: the most bytes the scorer's passes may take beyond the loaded model: a
     number, a size such as "6GB", None for no cap, or "auto" (the default): 90% of a GPU's
@@ -101,7 +103,9 @@ class Scorer:
     def score_encoded(self, encoded: Sequence[Encoded],
                       errors: str = "raise") -> list[ScoredChain | InvalidExample]:
         """Scores in input order. errors="return" puts an InvalidExample in the place of a
-        chain that cannot be scored within max_memory instead of raising it."""
+        chain that cannot be scored within max_memory (`too_long_for_memory`), or whose
+        scores came out NaN or inf (NonFiniteScores, `nonfinite_scores`), instead of raising
+        it."""
         out: list = [None] * len(encoded)
         groups: dict = {}
         for i, e in enumerate(encoded):
@@ -110,6 +114,11 @@ class Scorer:
             lengths = [self.batch_length(encoded[i]) for i in members]
             for idx in length_batches(lengths, self.token_budget(), self.max_batch):
                 self._score_fitting([members[j] for j in idx], encoded, out)
+        for i, res in enumerate(out):  # every scorer: garbage never passes as scores
+            if isinstance(res, ScoredChain) and not np.isfinite(res.scores).all():
+                out[i] = NonFiniteScores(f"{res.method} scores are NaN or inf at "
+                                         f"{int((~np.isfinite(res.scores)).sum())} of "
+                                         f"{len(res.scores)} chain tokens", res.example.id)
         if errors == "raise":
             for res in out:
                 if isinstance(res, InvalidExample):
@@ -214,10 +223,28 @@ def shared_prefix(enc: Encoded) -> int:
 
 
 def zscore(v: np.ndarray) -> np.ndarray:
+    """(v - mean) / sd; a constant chain gives zeros. NaN or inf in v (or an sd that
+    overflows) gives NaN, never zeros: a broken axis must not pass as a flat one."""
+    if not np.isfinite(v).all():
+        return np.full_like(v, np.nan)
     sd = v.std()
-    if not np.isfinite(sd) or sd < 1e-12 * max(1.0, float(np.abs(v).max())):
+    if not np.isfinite(sd):
+        return np.full_like(v, np.nan)
+    if sd < 1e-12 * max(1.0, float(np.abs(v).max())):
         return np.zeros_like(v)
     return (v - v.mean()) / sd
+
+
+def nonfinite(enc: Encoded, values: dict) -> NonFiniteScores | None:
+    """NonFiniteScores naming the first of `values` (name -> tensor, array or float) that
+    holds NaN or inf, or None. Called on a chain whose one cheap check already failed."""
+    for name, v in values.items():
+        a = v.detach().double().cpu().numpy() if torch.is_tensor(v) else np.asarray(v, float)
+        bad = ~np.isfinite(a)
+        if bad.any():
+            where = f" at {int(bad.sum())} of {bad.size} values" if a.ndim else f" ({float(a)})"
+            return NonFiniteScores(f"{name} is NaN or inf{where}", enc.example.id)
+    return None
 
 
 def combine(necessity: np.ndarray | None, sufficiency: np.ndarray | None,
@@ -375,6 +402,18 @@ class MistScorer(BackpropScorer):
                 fields.update(sufficiency_per_layer=per_layer,
                               sufficiency=(cbar[:, None] * per_layer.abs()).sum(0),  # Eq. 7
                               nochain_log_likelihood=ll_tgt[b])
+            # NaN or inf in the log-likelihoods or the raw axes (which carry the gradients,
+            # the states and the layer weights) fails the chain: normalised, a NaN axis
+            # would read as a flat chain. One check per chain, on values at hand.
+            lls = {"log p(answer | question, chain)": ll_src[b]}
+            if suff:
+                lls["log p(answer | question, no chain)"] = ll_tgt[b]
+            axes = {a: fields[a] for a in self.axes}
+            if not (np.isfinite(list(lls.values())).all()
+                    and bool(torch.isfinite(torch.stack(list(axes.values()))).all())):
+                out.append(nonfinite(enc, {**lls, **axes}) or NonFiniteScores(
+                    "NaN or inf in the scores", enc.example.id))
+                continue
             fields = {k_: v.detach().cpu().double().numpy() if torch.is_tensor(v) else v
                       for k_, v in fields.items()}
             scores = combine(fields.get("necessity"), fields.get("sufficiency"), self.alpha)

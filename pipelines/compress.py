@@ -28,11 +28,12 @@ from mist_core.errors import MissingDependency, UnsupportedModel
 from mist_core.formats import (DATA_COLUMNS, REJECT_SCHEMA, SCORES_SCHEMA, budget_label,
                                data_schema, fits, kinds_type, sft_budgets, sft_format_name)
 
-from . import faults, stages, storage
+from . import faults, placement, stages, storage
 from .config import ConfigError, JobConfig, parse_args
 from .output import Existing, Output
+from .budget import ErrorBudget, ErrorBudgetExceeded, start_tally
 from .sink import OutputSink, WriteStats
-from .sources import Input, read_raw, resolve_inputs
+from .sources import Input, check_submitted_paths, read_raw, resolve_inputs
 
 log = logging.getLogger("pipelines.compress")
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +63,7 @@ class Plan:
     dup_rows: frozenset
     extras: pa.Schema
     seconds: float
+    sources: frozenset | None = None  # the sources (files) of the rows read; None: unknown
 
 
 def _now() -> str:
@@ -144,7 +146,8 @@ def make_plan(inputs: list[Input], cfg: JobConfig, existing: Existing) -> Plan:
     return Plan(read=table.num_rows, examples=examples, invalid=invalid, done=done,
                 duplicates=len(dups),
                 to_score=len(seen), row_limits=row_limits, dup_rows=frozenset(dups),
-                extras=extras_schema(kinds, existing), seconds=time.perf_counter() - t)
+                extras=extras_schema(kinds, existing), seconds=time.perf_counter() - t,
+                sources=frozenset(table.column("source").unique().to_pylist()))
 
 
 def check_disjoint(inputs: list[Input], out: Output) -> None:
@@ -224,8 +227,9 @@ def versions() -> dict:
 
 
 def build(cfg: JobConfig, inputs: list[Input], plan: Plan, existing: Existing,
-          gpus: float) -> ray.data.Dataset:
-    """The streaming pipeline, up to (not including) the write."""
+          gpus: float, device: str, stats=None) -> ray.data.Dataset:
+    """The streaming pipeline, up to (not including) the write. `device`: the scoring
+    actors' (placement.resolve_device); `stats`: the placement.ActorStats they report to."""
     # Reading and tokenizing run as CPU tasks that reserve TASK_MEMORY. Besides the
     # accounting, the reservation keeps them out of the scoring actors: Ray Data fuses a task
     # stage into the next actor stage when both ask for the same resources (CPU actors).
@@ -247,7 +251,7 @@ def build(cfg: JobConfig, inputs: list[Input], plan: Plan, existing: Existing,
             batch_format="pyarrow",
             fn_constructor_kwargs={
                 "model": cfg.model, "method": cfg.method, "dtype": cfg.dtype,
-                "device": "cuda" if gpus > 0 else "cpu", "alpha": cfg.alpha,
+                "device": device, "alpha": cfg.alpha, "stats": stats,
                 "batch_tokens": cfg.batch_tokens, "batch_size": cfg.batch_size,
                 "max_memory": cfg.max_memory,
                 "template": cfg.template, "threads": max(1, int(cfg.cpus_per_actor)),
@@ -261,7 +265,10 @@ def build(cfg: JobConfig, inputs: list[Input], plan: Plan, existing: Existing,
 def make_manifest(cfg: JobConfig, *, run_id: str, started: str, inputs: list[Input],
                   out: Output, model_name: str, gpus: float, plan: Plan, stats: WriteStats,
                   existing: Existing, totals: dict, run_s: float, total_s: float,
-                  conformed: int = 0) -> dict:
+                  conformed: int = 0, device: str | None = None,
+                  actors: list[dict] | None = None) -> dict:
+    """`actors`: the scoring actors' records (placement.collect), None where they could
+    not be read."""
     settings = cfg.to_dict()
     settings["input"] = [i.source for i in inputs]
     settings["output"] = out.display()
@@ -293,8 +300,10 @@ def make_manifest(cfg: JobConfig, *, run_id: str, started: str, inputs: list[Inp
         "run_id": run_id, "started_at": started, "finished_at": _now(),
         "output": out.display(), "config": settings,
         "model": {"spec": cfg.model, "name": model_name, "dtype": cfg.dtype,
-                  "device": "cuda" if gpus > 0 else "cpu", "gpus_per_actor": gpus,
+                  "device": device or placement.resolve_device(cfg.device, gpus),
+                  "gpus_per_actor": gpus,
                   "cpus_per_actor": cfg.cpus_per_actor, "actors": list(cfg.actors)},
+        "actors": actors,  # where each scoring actor ran and what it did (placement)
         "versions": versions(),
         "counts": counts, "totals": totals, "timings": timings, "throughput": throughput,
         "data_schema": [{"name": f.name, "type": str(f.type)} for f in data_schema(plan.extras)],
@@ -302,12 +311,35 @@ def make_manifest(cfg: JobConfig, *, run_id: str, started: str, inputs: list[Inp
     }
 
 
+def retry_failed_rows(out: Output, plan: Plan, existing: Existing) -> None:
+    """Rows an earlier run rejected because the job or the model failed on them
+    (stages.FAILURE_REASONS) are redone, not skipped as final: their rejects leave rejects/
+    (where this run reads those rows again) and the run records them afresh if they fail
+    again. Runs after the manifest is stashed: the folder reads as unfinished meanwhile."""
+    if not set(existing.reject_reasons) & stages.FAILURE_REASONS:
+        return
+
+    def rereads(source: str, row: int) -> bool:
+        return ((plan.sources is None or source in plan.sources)
+                and (plan.row_limits is None or row <= plan.row_limits.get(source, 0)))
+
+    dropped = out.drop_failed_rejects(stages.FAILURE_REASONS, rereads)
+    # read back, not subtracted: a drop retried after a storage error returns only its
+    # last attempt's keys
+    existing.rejects, existing.reject_rows, existing.reject_reasons = out.rejects()
+    if dropped:
+        log.info("%d rows rejected as failures by an earlier run (%s) are redone",
+                 len(dropped), ", ".join(sorted(stages.FAILURE_REASONS)))
+
+
 def run(cfg: JobConfig) -> dict:
     """Run the job and return its manifest. Raises ConfigError for unusable settings or
-    input, AccountingError if rows were lost or duplicated."""
+    input, AccountingError if rows were lost or duplicated, ErrorBudgetExceeded if more rows
+    failed than cfg.max_error_share allows (no manifest in the last two cases)."""
     t0, started = time.perf_counter(), _now()
     run_id = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
     try:
+        check_submitted_paths(cfg.input, cfg.output)  # relative paths under `ray job submit`
         out = Output(cfg.output)
         inputs = resolve_inputs(cfg.input, cfg.format)
     except ValueError as e:
@@ -338,33 +370,55 @@ def run(cfg: JobConfig) -> dict:
     gpus = cfg.gpus_per_actor
     if gpus is None:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    device = placement.resolve_device(cfg.device, gpus)  # --device cuda without GPUs: exit 2
     if gpus > 0 and plan.to_score and not ray.cluster_resources().get("GPU", 0):
         log.info("no GPU in the cluster yet: the scoring actors wait for the autoscaler to "
                  "add GPU nodes")
 
+    out.stash_manifest()
+    retry_failed_rows(out, plan, existing)
+    budget = ErrorBudget(cfg.max_error_share, plan.examples)
+    # The tally lets a write task stop the run as soon as the budget is spent. A run with
+    # no rows to score, or a budget nothing can exceed, needs no actor: the end check does.
+    tally = start_tally() if plan.to_score and budget.allowed < plan.examples else None
     sink = OutputSink(fs=out.fs, root=out.root, run_id=run_id, method=cfg.method,
                       model=model_name, budgets=cfg.budgets, extras=plan.extras,
                       sft_format=cfg.sft_format, sft_mix=cfg.sft_mix, seed=cfg.seed,
                       with_scores=cfg.scores, known_rejects=existing.rejects,
-                      rows_per_file=cfg.rows_per_file)
-    out.stash_manifest()
+                      rows_per_file=cfg.rows_per_file, budget=budget, tally=tally)
     schema = data_schema(plan.extras)
     conformed = out.conform(schema)  # before the new files: data/ never holds three schemas
     if conformed:
         log.info("rewrote %d earlier data/ files with this run's new columns", conformed)
+    stats = placement.start_stats(run_id) if plan.to_score else None  # the actors' records
     t_run = time.perf_counter()
-    build(cfg, inputs, plan, existing, gpus).write_datasink(sink)
+    try:
+        with placement.Progress(stats, plan.to_score, cfg.progress_interval):  # [progress]
+            build(cfg, inputs, plan, existing, gpus, device, stats).write_datasink(sink)
+    except Exception as e:
+        if tally is not None and any(isinstance(c, ErrorBudgetExceeded) or
+                                     "ErrorBudgetExceeded" in str(c) for c in causes(e)):
+            seen, failed, first = ray.get(tally.totals.remote())
+            raise ErrorBudgetExceeded(budget.message(failed, first, seen)) from None
+        raise
+    finally:
+        if tally is not None:
+            ray.kill(tally)
     run_s = time.perf_counter() - t_run
+    actors = placement.collect(stats)
     out.ensure_files({"data": schema, "rejects": REJECT_SCHEMA,
                       **({"scores": SCORES_SCHEMA} if cfg.scores else {})})
     out.write_dataset_info(cfg.sft_format)
 
     totals = out.totals()
     reconcile(cfg, plan, sink.stats, existing, totals)
+    if budget.exceeded(sink.stats.failures):  # the whole run's count, before any manifest
+        raise ErrorBudgetExceeded(budget.message(sink.stats.failures, sink.stats.first_failure))
     manifest = make_manifest(cfg, run_id=run_id, started=started, inputs=inputs, out=out,
                              model_name=model_name, gpus=gpus, plan=plan, stats=sink.stats,
                              existing=existing, totals=totals, run_s=run_s,
-                             total_s=time.perf_counter() - t0, conformed=conformed)
+                             total_s=time.perf_counter() - t0, conformed=conformed,
+                             device=device, actors=actors)
     out.write_manifest(manifest)
     return manifest
 
@@ -433,6 +487,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.compres
     except AccountingError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except ErrorBudgetExceeded as e:
+        if ray.is_initialized():
+            ray.shutdown()  # its shutdown messages must not follow ours
+        print(f"error: {e}", file=sys.stderr)
+        return 5
     except Exception as e:
         chain = causes(e)
         failure = next(filter(None, map(stages.model_load_message, chain)), None)

@@ -11,6 +11,7 @@ import yaml
 
 DEFAULT_BUDGETS = [0.5, 0.6, 0.7, 0.8, 0.9]
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 class ConfigError(ValueError):
@@ -40,12 +41,20 @@ class JobConfig:
     max_memory: int | None = None  # bytes per scoring actor beyond the model; None: auto
     actors: tuple[int, int] = (1, 1)
     gpus_per_actor: float | None = None  # None: 1 when the cluster has GPUs, else 0
+    # Where the scoring actors run the model. auto: cuda where Ray gives an actor a GPU
+    # (gpus_per_actor > 0), else cpu; cpu also on GPU-placed actors; cuda or exit status 2.
+    device: str = "auto"
     cpus_per_actor: float = 1.0
     scores: bool = False
     rows_per_file: int = 512
     sft_format: str = "prompt-completion"
     sft_mix: str = "sample"
     seed: int = 0
+    # The share of the rows read that may fail (FAILURE_REASONS in stages.py: the scorer or
+    # the model failed, not the input) before the run fails with exit status 5.
+    max_error_share: float = 0.0
+    # Seconds between the driver's progress lines while scoring (placement.Progress); 0: none.
+    progress_interval: float = 10.0
     address: str | None = None
 
     def to_dict(self) -> dict:
@@ -125,7 +134,8 @@ _PARSE = {"input": _inputs, "budgets": parse_floats, "actors": parse_actors,
           "scores": _bool, "trust_remote_code": _bool, "limit": _opt_int, "alpha": float,
           "batch_size": int, "rows_per_file": int, "batch_tokens": _tokens,
           "max_memory": _memory,
-          "cpus_per_actor": float, "seed": int}
+          "cpus_per_actor": float, "seed": int, "max_error_share": float,
+          "progress_interval": float}
 
 
 def _coerce(key: str, value):
@@ -179,6 +189,7 @@ def validate(cfg: JobConfig) -> JobConfig:
     one_of("unit", ("word", "token"))
     one_of("template", TEMPLATES)
     one_of("dtype", DTYPES)
+    one_of("device", DEVICES)
     cfg.sft_format = sft_format_name(cfg.sft_format)  # `chat`, the earlier name of messages
     one_of("sft_format", SFT_FORMATS)
     one_of("sft_mix", SFT_MIXES)
@@ -209,10 +220,18 @@ def validate(cfg: JobConfig) -> JobConfig:
         raise ConfigError("limit must be at least 1")
     if cfg.gpus_per_actor is not None and cfg.gpus_per_actor < 0:
         raise ConfigError("gpus_per_actor must be >= 0 or auto")
+    if cfg.device == "cuda" and cfg.gpus_per_actor == 0:
+        raise ConfigError("device cuda needs a GPU for each scoring actor: give "
+                          "--gpus-per-actor 1 (or auto on a cluster with GPUs), or --device cpu")
     if cfg.cpus_per_actor <= 0:
         raise ConfigError("cpus_per_actor must be > 0")
     if not 0.0 <= cfg.alpha <= 1.0:
         raise ConfigError("alpha must lie in [0, 1]")
+    if not 0.0 <= cfg.max_error_share <= 1.0:  # NaN fails this too
+        raise ConfigError(f"max_error_share must lie in [0, 1], not {cfg.max_error_share}")
+    if not 0.0 <= cfg.progress_interval < float("inf"):  # NaN fails this too
+        raise ConfigError(f"progress_interval must be 0 (off) or a number of seconds, "
+                          f"not {cfg.progress_interval}")
     return cfg
 
 
@@ -244,7 +263,8 @@ examples:
 
 exit status: 0 done, 2 bad settings, input or model, 3 counts did not reconcile, 4 storage
 unavailable (retried for MIST_STORAGE_RETRY_S seconds, default 60; rerun to resume),
-1 other failure."""
+5 more rows failed than --max-error-share allows (no manifest; rerun after the fix redoes
+them), 1 other failure."""
 
 
 def build_parser(prog: str = "python -m pipelines.compress") -> argparse.ArgumentParser:
@@ -297,6 +317,12 @@ def build_parser(prog: str = "python -m pipelines.compress") -> argparse.Argumen
     g.add_argument("--sft-mix", choices=("sample", "all"),
                    help="sample: one record per example, γ drawn uniformly from the budgets "
                         "and 1.0; all: one record per γ (default: sample)")
+    g.add_argument("--max-error-share", type=float, metavar="F",
+                   help="the share of the rows read (0 to 1) that may fail for the job's or "
+                        "the model's fault (score_error, nonfinite_scores, prune_error, "
+                        "unexpected_error; bad input never counts) before the run fails "
+                        "with exit status 5 and no manifest, stopping early where it can; "
+                        "a rerun redoes the failed rows (default: 0)")
 
     g = p.add_argument_group("scoring")
     g.add_argument("--model", metavar="SPEC",
@@ -340,9 +366,18 @@ def build_parser(prog: str = "python -m pipelines.compress") -> argparse.Argumen
     g.add_argument("--gpus-per-actor", metavar="G",
                    help="GPUs per actor; auto: 1 if the cluster has GPUs now, else 0 (CPU "
                         "actors). Give 1 on an autoscaling GPU cluster. (default: auto)")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"),
+                   help="where the scoring actors run the model: auto: cuda where Ray gives "
+                        "an actor a GPU (--gpus-per-actor above 0), else cpu; cpu: on the CPU "
+                        "even on GPU-placed actors (GPU placement tested without GPUs); cuda: "
+                        "on the actor's GPU, an error where it has none (default: auto)")
     g.add_argument("--cpus-per-actor", type=float, metavar="C",
                    help="CPUs per actor, also its torch threads on CPU (default: 1)")
     g.add_argument("--seed", type=int, help="seed of the SFT budget draw (default: 0)")
+    g.add_argument("--progress-interval", type=float, metavar="SECONDS",
+                   help="print a progress line every SECONDS while scoring: chains scored "
+                        "of those planned, chains/s, ETA, rejects so far; 0: none "
+                        f"(default: {d.progress_interval:g})")
     g.add_argument("--address", metavar="ADDR",
                    help="Ray cluster to join, e.g. auto for one started with `ray start` "
                         "on this machine (default: $RAY_ADDRESS, which `ray job submit` sets; "

@@ -7,13 +7,19 @@ the job's environment (the driver forwards them to its Ray workers):
   MIST_FAULT_ONCE=PATH      ... only the first actor to get there (it creates PATH), so
                             that the replacement actor goes on
   MIST_FAULT_SLEEP_S=S      every scoring batch takes S seconds longer (a slow job, to
-                            kill its driver part-way)"""
+                            kill its driver part-way)
+  MIST_FAULT_SCORE_ERROR=RE a scoring call raises RuntimeError when the id of one of its
+                            chains matches the regular expression RE in full (`.*`: every
+                            call); the actor's one-by-one retry then fails exactly those
+                            rows, as score_error (a scorer bug, a bad GPU)"""
 from __future__ import annotations
 
 import os
+import re
 import time
 
-VARIABLES = ("MIST_FAULT_EXIT_BATCH", "MIST_FAULT_ONCE", "MIST_FAULT_SLEEP_S")
+VARIABLES = ("MIST_FAULT_EXIT_BATCH", "MIST_FAULT_ONCE", "MIST_FAULT_SLEEP_S",
+             "MIST_FAULT_SCORE_ERROR")
 
 
 def forwarded() -> dict[str, str]:
@@ -40,3 +46,12 @@ def after_score_batch(n: int) -> None:
     if exit_at and n == int(exit_at) and _first(os.environ.get("MIST_FAULT_ONCE")):
         print(f"[fault] scoring actor {os.getpid()} exits at batch {n}", flush=True)
         os._exit(17)
+
+
+def before_score(ids: list) -> None:
+    """Called by a scoring actor before each scoring call, with the ids of its chains."""
+    pattern = os.environ.get("MIST_FAULT_SCORE_ERROR")
+    if pattern:
+        hit = next((i for i in ids if re.fullmatch(pattern, str(i))), None)
+        if hit is not None:
+            raise RuntimeError(f"injected scoring failure (MIST_FAULT_SCORE_ERROR) on {hit}")

@@ -42,6 +42,7 @@ class Existing:
     schema: pa.Schema | None = None  # data/'s, unified over its files
     sft: int = 0
     reject_rows: int = 0
+    reject_reasons: Counter = field(default_factory=Counter)  # rows in rejects/ by reason
 
 
 class Output:
@@ -112,14 +113,49 @@ class Output:
             ex.methods = set(data.column("method").to_pylist())
             ex.models = set(data.column("model").to_pylist())
             ex.budgets = set(data.column("budget").to_pylist())
-        rejects = storage.read_parquet_dir(self.fs, self.path("rejects"),
-                                           columns=["source", "row", "raw"])
-        if rejects is not None:
-            ex.rejects = frozenset(reject_key(s, r, w) for s, r, w in zip(
-                *(rejects.column(c).to_pylist() for c in ("source", "row", "raw"))))
-            ex.reject_rows = rejects.num_rows
+        ex.rejects, ex.reject_rows, ex.reject_reasons = self.rejects()
         ex.sft = len(storage.read_jsonl_dir(self.fs, self.path("sft")))
         return ex
+
+    @storage.retried
+    def rejects(self) -> tuple[frozenset, int, Counter]:
+        """What rejects/ holds: the reject_key of every row, the number of rows, the rows
+        by reason."""
+        table = storage.read_parquet_dir(self.fs, self.path("rejects"),
+                                         columns=["source", "row", "raw", "reason"])
+        if table is None:
+            return frozenset(), 0, Counter()
+        keys = frozenset(reject_key(s, r, w) for s, r, w in zip(
+            *(table.column(c).to_pylist() for c in ("source", "row", "raw"))))
+        return keys, table.num_rows, Counter(table.column("reason").to_pylist())
+
+    @storage.retried
+    def drop_failed_rejects(self, reasons: frozenset, rereads=None) -> frozenset:
+        """Delete from rejects/ the rows rejected for one of `reasons` (the job's or the
+        model's failures, stages.FAILURE_REASONS, not the input's) that this run reads
+        again (`rereads(source, row)`; None: all): such a reject is not final, the run
+        redoes its row and records it afresh if it fails again. Each file is rewritten whole
+        without them, or deleted if nothing else is left. Returns their reject_keys."""
+        dropped = set()
+        for path in storage.list_files(self.fs, self.path("rejects")):
+            if not path.endswith(".parquet"):
+                continue
+            found = pq.read_table(path, filesystem=self.fs, columns=["reason"]).column("reason")
+            if not set(found.to_pylist()) & reasons:
+                continue
+            table = pq.read_table(path, filesystem=self.fs)
+            rows = table.to_pylist()
+            drop = [r["reason"] in reasons and (rereads is None or rereads(r["source"], r["row"]))
+                    for r in rows]
+            if not any(drop):
+                continue
+            dropped |= {reject_key(r["source"], r["row"], r["raw"])
+                        for r, d in zip(rows, drop) if d}
+            if all(drop):
+                self.fs.delete_file(path)
+            else:
+                storage.write_atomic(self.fs, path, table.filter(pa.array([not d for d in drop])))
+        return frozenset(dropped)
 
     @storage.retried
     def conform(self, schema: pa.Schema) -> int:

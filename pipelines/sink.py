@@ -7,7 +7,12 @@ scores/ file whose data/ partner is missing (the remains of a crashed run) and t
 in data/ as done. Rejects need no partner: a run skips writing a reject that rejects/ already
 holds. Every file appears whole (written under a temporary name, then moved), and the stem is
 a hash of the rows in the group, so a retried write task rewrites the same files instead of
-adding a second copy."""
+adding a second copy.
+
+The error budget (--max-error-share, budget.py) is counted here too: each write task reports
+the rows of its group that failed (stages.FAILURE_REASONS) to a tally the driver holds, and
+the task that takes the failures past the budget fails the run, so that a broken model stops
+a long run early instead of at its end."""
 from __future__ import annotations
 
 import hashlib
@@ -16,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import pyarrow as pa
+import ray
 from ray.data.block import BlockAccessor
 from ray.data.datasource import Datasink
 
@@ -23,7 +29,8 @@ from mist_core.formats import (REJECT_SCHEMA, SCORES_SCHEMA, budget_label, data_
                                data_schema, sft_records)
 
 from . import storage
-from .stages import OK, REJECT, SKIP
+from .budget import ErrorBudget, ErrorBudgetExceeded
+from .stages import FAILURE_REASONS, OK, REJECT, SKIP
 
 DIRS = ("data", "sft", "scores", "rejects")
 
@@ -48,6 +55,13 @@ class WriteStats:
     written: Counter = field(default_factory=Counter)  # budget label -> data rows
     reasons: Counter = field(default_factory=Counter)
     files: int = 0
+    # the first row rejected for a FAILURE_REASONS reason: reason, detail, source, row, id
+    first_failure: dict | None = None
+
+    @property
+    def failures(self) -> int:
+        """Rows rejected because the job or the model failed on them (not bad input)."""
+        return sum(self.reasons[r] for r in FAILURE_REASONS)
 
     def add(self, other: "WriteStats") -> None:
         for name in ("rows", "scored", "rejected", "skipped", "rejects_written", "sft",
@@ -55,12 +69,14 @@ class WriteStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.written.update(other.written)
         self.reasons.update(other.reasons)
+        self.first_failure = self.first_failure or other.first_failure
 
 
 class OutputSink(Datasink):
     def __init__(self, *, fs, root: str, run_id: str, method: str, model: str,
                  budgets: list[float], extras: pa.Schema, sft_format: str, sft_mix: str,
-                 seed: int, with_scores: bool, known_rejects: frozenset, rows_per_file: int = 512):
+                 seed: int, with_scores: bool, known_rejects: frozenset, rows_per_file: int = 512,
+                 budget: ErrorBudget | None = None, tally=None):
         self.fs, self.root, self.run_id = fs, root, run_id
         self.method, self.model, self.budgets = method, model, budgets
         self.extras, self.schema = extras, data_schema(extras)
@@ -68,6 +84,7 @@ class OutputSink(Datasink):
         self.with_scores = with_scores
         self.known_rejects = known_rejects  # already in rejects/ from an earlier run
         self.rows_per_file = rows_per_file
+        self.budget, self.tally = budget, tally  # tally: an ErrorTally actor, or None
         self.stats = WriteStats()
 
     @property
@@ -98,6 +115,9 @@ class OutputSink(Datasink):
             elif r["status"] == REJECT:
                 stats.rejected += 1
                 stats.reasons[r["reason"]] += 1
+                if r["reason"] in FAILURE_REASONS and stats.first_failure is None:
+                    stats.first_failure = {k: r.get(k) for k in ("reason", "detail", "source",
+                                                                 "row", "id")}
                 if reject_key(r["source"], r["row"], r["raw"]) not in self.known_rejects:
                     rejects.append({k: r.get(k) for k in REJECT_SCHEMA.names} | {"run_id": self.run_id})
             elif r["status"] == OK:
@@ -119,6 +139,12 @@ class OutputSink(Datasink):
         if data:  # last: it commits the group's sft/ and scores/ files
             w("data", "parquet", pa.Table.from_pylist(data, schema=self.schema))
         stats.files = bool(data) + bool(rejects) + bool(sft) + bool(scores)
+        if stats.failures and self.tally is not None:  # after the files: the group is whole
+            _, failed = ray.get(self.tally.add.remote(stem, stats.rows, stats.failures,
+                                                      stats.first_failure))
+            if self.budget.exceeded(failed):  # the driver says why, in one line
+                raise ErrorBudgetExceeded(f"{failed} rows failed, {self.budget.allowed} may "
+                                          "(--max-error-share): stopping the run")
         return stats
 
     def _scored(self, r: dict, stats: WriteStats, data: list, sft: list, scores: list) -> None:

@@ -179,6 +179,24 @@ def demo_table(spec: str, input_idx: int) -> pa.Table:
     return _rows_table(input_idx, spec, rows)
 
 
+def check_submitted_paths(inputs: list[str], output: str) -> None:
+    """Under `ray job submit` the driver's current folder is Ray's temporary copy of the
+    working directory: a relative --input would be looked for there, and a relative
+    --output would be written there and lost. Refuse them (ValueError, one line)."""
+    if not storage.under_job_submit():
+        return
+    named = [("--output", output)] + [("--input", u) for u in inputs
+                                      if not (u.startswith("hf://") or _DEMO.match(u))]
+    for flag, uri in named:
+        if storage.relative_path(uri):
+            there = "the output would be lost" if flag == "--output" else "it is looked for"
+            raise ValueError(
+                f"{flag} {uri} is a relative path, but this run was started by `ray job "
+                "submit`, whose driver runs in Ray's temporary copy of the working directory "
+                f"({there} there): give an absolute path (e.g. \"$PWD/{uri}\") or a URI "
+                "(s3://…, gs://…)")
+
+
 def resolve_inputs(uris: list[str], fmt: str = "auto") -> list[Input]:
     """Find every input's files (or build its rows) once, on the driver, so that both passes
     of a run read exactly the same files."""

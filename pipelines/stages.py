@@ -18,12 +18,14 @@ from types import SimpleNamespace
 import numpy as np
 import pyarrow as pa
 
-from mist_core import Example, InvalidExample, get_adapter, get_scorer, load_model, prune
+from mist_core import (Example, InvalidExample, NonFiniteScores, get_adapter, get_scorer,
+                       load_model, prune)
 from mist_core.formats import extra_name, value_kind
 from mist_core.prune import token_pieces
 from mist_core.templates import Encoded
+from mist_core.tracing import length_batches
 
-from . import faults
+from . import faults, placement
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,18 @@ STREAM_SCHEMA = pa.schema([
     ("compressed", pa.list_(pa.string())), ("kept_tokens", _ints), ("tokens", pa.list_(pa.string())),
 ])
 OK, REJECT, SKIP = "ok", "reject", "skip"
+
+# Reject reasons. Most name what is wrong with a row (the validators' and adapters' codes:
+# invalid_json, missing_column, empty_cot, no_final_answer, …; too_long, duplicate_id,
+# unreadable_file, too_long_for_memory). These name a failure of the job or of the model on
+# a row that was fine as far as anyone can tell: they count against --max-error-share (see
+# sink.ErrorBudget), and their rejects are not final (a later run drops them and redoes the
+# rows, Output.drop_failed_rejects).
+SCORE_ERROR = "score_error"  # the scorer raised
+NONFINITE_SCORES = NonFiniteScores.REASON  # NaN or inf from the model
+PRUNE_ERROR = "prune_error"  # pruning raised
+UNEXPECTED_ERROR = "unexpected_error"  # validating or tokenizing raised (a bug, not a reason)
+FAILURE_REASONS = frozenset({SCORE_ERROR, NONFINITE_SCORES, PRUNE_ERROR, UNEXPECTED_ERROR})
 
 # Columns each adapter reads; the rest of a row is passed through as extra columns.
 _CONSUMED = {"gsm8k": {"question", "answer", "solution", "id"},
@@ -180,7 +194,7 @@ def _failed(row: dict, e: Exception, rec: dict) -> dict:
     if isinstance(e, InvalidExample):
         return _reject(row, e.reason, e.detail)
     log.warning("unexpected error on %s row %s: %r", rec["source"], rec["row"], e)
-    return _reject(row, "unexpected_error", f"{type(e).__name__}: {e}")
+    return _reject(row, UNEXPECTED_ERROR, f"{type(e).__name__}: {e}")
 
 
 def plan_batch(batch: pa.Table, *, adapter: str, columns: dict) -> pa.Table:
@@ -306,11 +320,19 @@ class ScoreActor:
     def __init__(self, *, model: str, method: str, dtype: str, device: str, alpha: float,
                  batch_tokens: int | str, batch_size: int, template: str,
                  threads: int | None = None, trust_remote_code: bool = False,
-                 max_memory: int | None = None):
+                 max_memory: int | None = None, stats=None):
         import torch
 
         if device == "cpu" and threads:
             torch.set_num_threads(threads)
+        self.stats, self.place = stats, placement.here() | {"device": device}
+        if device == "cuda" and not torch.cuda.is_available():  # ends the run, exit status 2
+            raise ModelLoadError(
+                f"--device cuda, but the scoring actor on node {self.place['node_id']} "
+                f"({self.place['node_ip']}) sees no CUDA device (Ray assigned it GPUs "
+                f"{self.place['accelerator_ids'].get('GPU', [])}, torch "
+                f"{torch.__version__}{'' if torch.version.cuda else ' built without CUDA'}); "
+                "use --device cpu or auto")
         t = time.perf_counter()
         try:
             self.lm = load_model(model, dtype=dtype, device=device,
@@ -324,52 +346,107 @@ class ScoreActor:
             kwargs["alpha"] = alpha
         self.scorer = get_scorer(method, self.lm, **kwargs)
         self.scored, self.busy, self.batches = 0, 0.0, 0
+        # Of the chains scored, those the scorer rejected; when this process began scoring
+        # (time.time(), for the driver's rate and ETA); when it last reported (monotonic).
+        self.rejected, self.started, self._reported = 0, None, 0.0
+        self._report()
         print(f"[score] actor ready: {self.lm.name} ({method}, {dtype}) on {device}, "
               f"loaded in {time.perf_counter() - t:.1f}s", flush=True)
+
+    def _report(self) -> None:
+        """This actor's place and running totals, to the run's ActorStats (placement)."""
+        placement.report(self.stats, self.place | {"chains_scored": self.scored,
+                                                   "chains_rejected": self.rejected,
+                                                   "busy_seconds": round(self.busy, 3),
+                                                   "batches": self.batches}, self.started)
+        self._reported = time.monotonic()
 
     def _score_each(self, encs: list[Encoded]) -> list:
         """After a failed batch: score one by one, so that one bad row fails alone."""
         out = []
         for enc in encs:
             try:
+                faults.before_score([enc.example.id])
                 out.append(self.scorer.score_encoded([enc], errors="return")[0])
             except Exception as e:
                 out.append(e)
         return out
 
+    def _forward_batches(self, encs: list[Encoded]) -> list[list[int]]:
+        """The forward passes the scorer makes of these chains (Scorer.score_encoded's own
+        grouping: by kind, then by length within the token budget), as lists of indices.
+        Scoring them one call each gives the same passes, with room to report between."""
+        groups: dict = {}
+        for i, enc in enumerate(encs):
+            groups.setdefault(self.scorer.batch_kind(enc), []).append(i)
+        out = []
+        for members in groups.values():
+            lengths = [self.scorer.batch_length(encs[i]) for i in members]
+            for idx in length_batches(lengths, self.scorer.token_budget(), self.scorer.max_batch):
+                out.append([members[j] for j in idx])
+        return out
+
+    def _score_part(self, encs: list[Encoded]) -> list:
+        try:
+            return self.scorer.score_encoded(encs, errors="return")
+        except Exception:
+            print(f"[score] batch of {len(encs)} failed, retrying one by one:\n"
+                  f"{traceback.format_exc()}", flush=True)
+            return self._score_each(encs)
+
+    @staticmethod
+    def _settle(row: dict, res) -> None:
+        """A row's scores, or its reject, from the scorer's result."""
+        if isinstance(res, InvalidExample):  # too_long_for_memory, nonfinite_scores
+            _reject(row, res.reason, res.detail)
+        elif isinstance(res, Exception):
+            _reject(row, SCORE_ERROR, f"{type(res).__name__}: {res}")
+        elif not np.all(np.isfinite(res.scores)):
+            _reject(row, NONFINITE_SCORES, "the scorer returned NaN or inf")
+        else:
+            row.update(scores=_floats_or_none(res.scores),
+                       necessity=_floats_or_none(res.necessity),
+                       sufficiency=_floats_or_none(res.sufficiency))
+        if row["status"] == REJECT:
+            row["raw"] = json.dumps({"id": row["id"], "question": row["question"],
+                                     "cot": row["cot"], "answer": row["answer"]},
+                                    ensure_ascii=False)
+
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
         todo = [r for r in rows if r["status"] == OK]
         if todo:
-            t = time.perf_counter()
+            t, busy = time.perf_counter(), self.busy
+            if self.started is None:
+                self.started = time.time()
             encs = [_encoded(r) for r in todo]
             try:
-                results = self.scorer.score_encoded(encs, errors="return")
+                faults.before_score([r["id"] for r in todo])
+                parts, alone = self._forward_batches(encs), False
             except Exception:
                 print(f"[score] batch of {len(encs)} failed, retrying one by one:\n"
                       f"{traceback.format_exc()}", flush=True)
-                results = self._score_each(encs)
+                parts, alone = [[i] for i in range(len(encs))], True
+            # One forward pass at a time, so that the driver's progress line moves during a
+            # call: a report (one fire-and-forget call) at most every REPORT_S seconds.
+            for idx in parts:
+                part = [encs[i] for i in idx]
+                results = self._score_each(part) if alone else self._score_part(part)
+                for i, res in zip(idx, results):
+                    self._settle(todo[i], res)
+                    self.rejected += todo[i]["status"] == REJECT
+                self.scored += len(idx)
+                if time.monotonic() - self._reported >= placement.REPORT_S:
+                    self.busy = busy + time.perf_counter() - t
+                    self._report()
             dt = time.perf_counter() - t
-            for row, res in zip(todo, results):
-                if isinstance(res, InvalidExample):  # e.g. too_long_for_memory
-                    _reject(row, res.reason, res.detail)
-                elif isinstance(res, Exception):
-                    _reject(row, "score_error", f"{type(res).__name__}: {res}")
-                elif not np.all(np.isfinite(res.scores)):
-                    _reject(row, "nonfinite_scores", "the scorer returned NaN or inf")
-                else:
-                    row.update(scores=_floats_or_none(res.scores),
-                               necessity=_floats_or_none(res.necessity),
-                               sufficiency=_floats_or_none(res.sufficiency),
-                               score_s=dt / len(todo))
-                if row["status"] == REJECT:
-                    row["raw"] = json.dumps({"id": row["id"], "question": row["question"],
-                                             "cot": row["cot"], "answer": row["answer"]},
-                                            ensure_ascii=False)
-            self.scored += len(todo)
-            self.busy += dt
+            for row in todo:
+                if row["status"] == OK:
+                    row["score_s"] = dt / len(todo)
+            self.busy = busy + dt
             self.batches += 1
             faults.after_score_batch(self.batches)
+            self._report()
             print(f"[score] {len(todo)} chains in {dt:.1f}s; this actor: {self.scored} chains, "
                   f"{self.scored / self.busy:.2f} chains/s", flush=True)
         for row in rows:
@@ -393,7 +470,7 @@ def prune_batch(batch: pa.Table, *, budgets: list[float], unit: str, keep_digits
             try:
                 chains = prune(ex, scored, budgets=budgets, unit=unit, keep_digits=keep_digits)
             except Exception as e:
-                _reject(row, "prune_error", f"{type(e).__name__}: {e}")
+                _reject(row, PRUNE_ERROR, f"{type(e).__name__}: {e}")
                 row["raw"] = json.dumps({"id": row["id"], "question": row["question"],
                                          "cot": row["cot"], "answer": row["answer"]},
                                         ensure_ascii=False)

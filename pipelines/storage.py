@@ -132,6 +132,29 @@ def filesystem(uri: str) -> tuple[pafs.FileSystem, str, str]:
     return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri)), ""
 
 
+# Set by Ray in the environment of a driver that `ray job submit` started (the job's
+# runtime environment and metadata, as JSON). Such a driver runs in Ray's unpacked copy of
+# --working-dir (or the job agent's folder), not where the command was typed.
+JOB_SUBMIT_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+
+
+def under_job_submit() -> bool:
+    """Whether this process is the driver of a job started by `ray job submit`."""
+    return JOB_SUBMIT_ENV in os.environ
+
+
+def relative_path(uri: str) -> bool:
+    """Whether `uri` is a local path that depends on the current folder: no scheme, not
+    absolute, not ~ (file:name without slashes too)."""
+    parts = urlsplit(uri)
+    scheme = parts.scheme.lower()
+    if scheme == "file":
+        return not parts.netloc and not parts.path.startswith("/")
+    if scheme and len(scheme) > 1:  # s3://, gs://, hf://, …
+        return False
+    return not os.path.isabs(os.path.expanduser(uri))
+
+
 def _bucket_path(uri: str) -> str:
     parts = urlsplit(uri)
     bucket = parts.netloc.rsplit("@", 1)[-1]

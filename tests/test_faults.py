@@ -14,8 +14,11 @@ from pathlib import Path
 
 import psutil
 import pyarrow.parquet as pq
+import pytest
 
 from mist_core.demo import demo_corpus
+
+pytestmark = pytest.mark.integration  # the job in subprocesses, on their own Ray
 
 REPO = Path(__file__).resolve().parents[1]
 BUDGETS = "0.5,0.8"
@@ -83,13 +86,13 @@ def test_a_model_that_cannot_load_fails_once_and_clearly(model_dir, tmp_path):
         (broken / f.name).write_bytes(f.read_bytes())
     (broken / "model.safetensors").write_bytes(b"\x00" * 64)  # the tokenizer still loads
     corpus(tmp_path / "corpus.jsonl", 8)
-    start = time.monotonic()
-    p = run(command(tmp_path / "corpus.jsonl", tmp_path / "out", broken), timeout=180)
+    # A restart loop would never end: the timeout is the check (no timing is asserted, the
+    # machine may be busy).
+    p = run(command(tmp_path / "corpus.jsonl", tmp_path / "out", broken), timeout=300)
     assert p.returncode == 2, p.stdout[-3000:] + p.stderr[-3000:]
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("error: a scoring actor could not load --model") and "broken-model" in last
     assert p.stderr.count("error:") == 1
-    assert time.monotonic() - start < 150
     assert not (tmp_path / "out" / "_manifest.json").exists()
 
 

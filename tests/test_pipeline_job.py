@@ -2,11 +2,13 @@
 with the job's command line, its log and outputs checked, then the cluster stopped."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -24,6 +26,9 @@ import pytest
 from conftest import make_model
 from mist_core.demo import demo_corpus
 from s3_server import free_ports
+from test_docs import block, commands
+
+pytestmark = pytest.mark.integration  # `ray start --head` and `ray job submit`
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -64,11 +69,12 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
             time.sleep(0.5)
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    """A one-node Ray cluster of our own: `ray start --head --block` in its own process
-    group, so that stopping it ends exactly the processes it started, and with its own temp
-    dir, so that no later `ray.init()` on this machine takes it for the current cluster."""
+@contextlib.contextmanager
+def head(tmp_path: Path, env: dict, command=("ray", "start", "--head")):
+    """A one-node Ray cluster of our own: `command` (`ray start --head`, as a test or the
+    README gives it) with --block, in its own process group, so that stopping it ends
+    exactly the processes it started, and with its own temp dir, so that no later
+    `ray.init()` on this machine takes it for the current cluster."""
     temp = tempfile.mkdtemp(prefix="mistray-", dir="/tmp")  # short: Ray puts sockets in it
     log = open(tmp_path / "ray-start.log", "wb")
     # Every port Ray would otherwise take at a fixed default (the job agent's is 52365) is a
@@ -79,15 +85,15 @@ def cluster(tmp_path):
     dash, *numbers = free_ports(len(names) + 1)
     ports = [f"--{name}={n}" for name, n in zip(names, numbers)]
     proc = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", *ports,
+        [str(BIN / command[0]), *command[1:], "--block", "--node-ip-address=127.0.0.1", *ports,
          "--num-cpus=2", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
          f"--dashboard-port={dash}", "--disable-usage-stats", f"--temp-dir={temp}"],
-        env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     address = f"http://127.0.0.1:{dash}"
     try:
         _wait_http(f"{address}/api/version", proc, timeout=120)
         deadline = time.monotonic() + 120
-        while ray_cli("job", "list", "--address", address, timeout=60).returncode != 0:
+        while ray_cli("job", "list", "--address", address, timeout=60, env=env).returncode != 0:
             assert time.monotonic() < deadline, "the job API did not come up"
             time.sleep(1)
         yield SimpleNamespace(address=address, temp=temp)
@@ -106,6 +112,12 @@ def cluster(tmp_path):
         shutil.rmtree(temp, ignore_errors=True)
 
 
+@pytest.fixture
+def cluster(tmp_path):
+    with head(tmp_path, _env()) as started:
+        yield started
+
+
 def ray_logs(temp: str, names=("dashboard_agent.log", "raylet.out", "dashboard_JobHead.log")) -> str:
     """The ends of the cluster's own logs, to say why a submission failed."""
     out = []
@@ -115,9 +127,10 @@ def ray_logs(temp: str, names=("dashboard_agent.log", "raylet.out", "dashboard_J
     return "\n".join(out)
 
 
-def ray_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "ray"), *args], env=_env(), capture_output=True, text=True,
-                          timeout=timeout)
+def ray_cli(*args: str, timeout: float = 300,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "ray"), *args], env=env or _env(), capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def test_ray_job_submit(cluster, tmp_path, tokenizer):
@@ -162,3 +175,63 @@ def test_ray_job_submit(cluster, tmp_path, tokenizer):
     assert sorted(data.column("budget").to_pylist()) == [0.5] * 6 + [0.9] * 6
     assert set(data.column("id").to_pylist()) == {r["id"] for r in records}
     assert set(data.column("topic").to_pylist()) == {r["topic"] for r in records}
+
+
+def test_one_machine_submission_as_the_readme_writes_it(tmp_path, tokenizer):
+    """The README's *Submitting on one machine* block, run line by line as written, with
+    what a test machine needs substituted: free ports and a temp dir for `ray start --head`
+    (and --block, so that the test stops exactly the head it started, in place of the
+    README's `ray stop`, which would stop every Ray of this user), the dashboard's port in
+    the address, the output under the test's folder, and a tiny model. HOME is a folder of
+    the test's own, so the token the block makes is not the user's. Then the same
+    submission with a relative --output, which the job refuses."""
+    as_written = commands(block("ray get-auth-token --generate"))
+    words = [shlex.split(line) for line in as_written]
+    kinds = [" ".join(w[:3] if w[:2] == ["ray", "job"] else w[:2] if w[0] == "ray" else w[:1])
+             for w in words]
+    assert kinds == ["export", "ray get-auth-token", "ray start", "ray job submit",
+                     "ray stop"], kinds
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(HOME=str(home), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+               RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="5", NO_PROXY="127.0.0.1,localhost",
+               no_proxy="127.0.0.1,localhost", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
+    name, _, value = words[0][1].partition("=")  # export NAME=VALUE
+    env[name] = value
+    made = subprocess.run(["bash", "-c", as_written[1]], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0 and (home / ".ray" / "auth_token").is_file(), made.stderr
+    start, submit = words[2], as_written[3]
+    assert '"$PWD/outputs/submitted"' in submit and "--working-dir ." in submit
+
+    model = tmp_path / "tiny-llama"
+    make_model("llama", len(tokenizer)).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    out = tmp_path / "outputs" / "submitted"
+
+    with head(tmp_path, env, start) as cluster:
+        def run(output: str) -> subprocess.CompletedProcess:
+            line = (submit.replace("http://127.0.0.1:8265", cluster.address)
+                    .replace('"$PWD/outputs/submitted"', output) + f" --model {model}")
+            deadline = time.monotonic() + 240
+            while True:  # the node's job agent may still be starting: Ray says so
+                p = subprocess.run(["bash", "-c", line], cwd=REPO, env=env,
+                                   capture_output=True, text=True, timeout=600)
+                if "please try again later" not in p.stdout + p.stderr \
+                        or time.monotonic() > deadline:
+                    return p
+                time.sleep(5)
+
+        p = run(str(out))
+        assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:] + ray_logs(cluster.temp)
+        assert re.search(r"Job 'raysubmit_\w+' succeeded", p.stdout), p.stdout[-3000:]
+        assert "MIST compression finished" in p.stdout
+        manifest = json.loads((out / "_manifest.json").read_text())
+        assert manifest["output"] == str(out) and manifest["counts"]["scored"] == 48
+
+        refused = run("outputs/submitted-relative")
+        assert refused.returncode == 1, refused.stdout[-3000:] + refused.stderr[-3000:]
+        assert "error: --output outputs/submitted-relative is a relative path, but this run " \
+               "was started by `ray job submit`" in refused.stdout, refused.stdout[-3000:]
+        assert re.search(r"Job 'raysubmit_\w+' failed", refused.stdout), refused.stdout[-3000:]

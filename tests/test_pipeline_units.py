@@ -166,6 +166,8 @@ def test_yaml_then_flags(tmp_path):
     ({"columns": "question=q,prompt=p"}, "columns"),
     ({"method": "magic"}, "method"),
     ({"limit": 0}, "limit"),
+    ({"device": "tpu"}, "device must be one of auto, cpu, cuda"),
+    ({"device": "cuda", "gpus_per_actor": 0}, "device cuda needs a GPU"),
 ])
 def test_bad_settings_say_why(values, message):
     from pipelines.config import validate
@@ -196,6 +198,21 @@ def test_bad_config_file_exits_2(tmp_path, capsys):
     (tmp_path / "bad.yaml").write_text("budgets: [2.0]\n")
     assert main(["--config", str(tmp_path / "bad.yaml")]) == 2
     assert "budgets must lie in (0, 1]" in capsys.readouterr().err
+
+
+def test_device_setting_and_how_it_resolves(tmp_path):
+    from pipelines.placement import resolve_device
+
+    assert parse_args([]).device == "auto"
+    assert parse_args(["--device", "cpu", "--gpus-per-actor", "1"]).device == "cpu"
+    (tmp_path / "job.yaml").write_text("device: cuda\ngpus-per-actor: 1\n")
+    assert parse_args(["--config", str(tmp_path / "job.yaml")]).device == "cuda"
+    # auto: today's rule, by the GPUs Ray gives each actor
+    assert resolve_device("auto", 1.0) == "cuda" and resolve_device("auto", 0.5) == "cuda"
+    assert resolve_device("auto", 0.0) == "cpu"
+    assert resolve_device("cpu", 1.0) == "cpu" and resolve_device("cuda", 1.0) == "cuda"
+    with pytest.raises(ConfigError, match="--device cuda needs a GPU"):
+        resolve_device("cuda", 0.0)  # gpus_per_actor auto on a cluster without GPUs
 
 # ------------------------------------------------------------------ storage and URIs
 
