@@ -107,13 +107,8 @@ class Scorer:
         scores came out NaN or inf (NonFiniteScores, `nonfinite_scores`), instead of raising
         it."""
         out: list = [None] * len(encoded)
-        groups: dict = {}
-        for i, e in enumerate(encoded):
-            groups.setdefault(self.batch_kind(e), []).append(i)
-        for members in groups.values():
-            lengths = [self.batch_length(encoded[i]) for i in members]
-            for idx in length_batches(lengths, self.token_budget(), self.max_batch):
-                self._score_fitting([members[j] for j in idx], encoded, out)
+        for idx in self.forward_batches(encoded):
+            self._score_fitting(idx, encoded, out)
         for i, res in enumerate(out):  # every scorer: garbage never passes as scores
             if isinstance(res, ScoredChain) and not np.isfinite(res.scores).all():
                 out[i] = NonFiniteScores(f"{res.method} scores are NaN or inf at "
@@ -151,6 +146,19 @@ class Scorer:
         half = len(idx) // 2
         self._score_fitting(idx[:half], encoded, out)
         self._score_fitting(idx[half:], encoded, out)
+
+    def forward_batches(self, encoded: Sequence[Encoded]) -> list[list[int]]:
+        """The batches score_encoded runs, as lists of indices into `encoded`: by kind, then
+        by length within the token budget (a batch that does not fit is split further)."""
+        groups: dict = {}
+        for i, e in enumerate(encoded):
+            groups.setdefault(self.batch_kind(e), []).append(i)
+        out = []
+        for members in groups.values():
+            lengths = [self.batch_length(encoded[i]) for i in members]
+            out += [[members[j] for j in idx]
+                    for idx in length_batches(lengths, self.token_budget(), self.max_batch)]
+        return out
 
     def _too_long(self, enc: Encoded, why: str, after: str = "") -> InvalidExample:
         cap = f", over max_memory {memory.gib(self.max_memory)}" if self.max_memory else ""

@@ -23,7 +23,6 @@ from mist_core import (Example, InvalidExample, NonFiniteScores, get_adapter, ge
 from mist_core.formats import extra_name, value_kind
 from mist_core.prune import token_pieces
 from mist_core.templates import Encoded
-from mist_core.tracing import length_batches
 
 from . import faults, placement
 
@@ -372,20 +371,6 @@ class ScoreActor:
                 out.append(e)
         return out
 
-    def _forward_batches(self, encs: list[Encoded]) -> list[list[int]]:
-        """The forward passes the scorer makes of these chains (Scorer.score_encoded's own
-        grouping: by kind, then by length within the token budget), as lists of indices.
-        Scoring them one call each gives the same passes, with room to report between."""
-        groups: dict = {}
-        for i, enc in enumerate(encs):
-            groups.setdefault(self.scorer.batch_kind(enc), []).append(i)
-        out = []
-        for members in groups.values():
-            lengths = [self.scorer.batch_length(encs[i]) for i in members]
-            for idx in length_batches(lengths, self.scorer.token_budget(), self.scorer.max_batch):
-                out.append([members[j] for j in idx])
-        return out
-
     def _score_part(self, encs: list[Encoded]) -> list:
         try:
             return self.scorer.score_encoded(encs, errors="return")
@@ -422,7 +407,7 @@ class ScoreActor:
             encs = [_encoded(r) for r in todo]
             try:
                 faults.before_score([r["id"] for r in todo])
-                parts, alone = self._forward_batches(encs), False
+                parts, alone = self.scorer.forward_batches(encs), False
             except Exception:
                 print(f"[score] batch of {len(encs)} failed, retrying one by one:\n"
                       f"{traceback.format_exc()}", flush=True)
