@@ -73,11 +73,18 @@ class ErrorTally:
                 sum(f for _, f in self.groups.values()), self.first)
 
 
-def start_tally():
-    """An ErrorTally actor for this run (no CPU: it only adds numbers), on the driver's node,
-    so that losing a worker node does not lose the count and fail the run."""
+def on_driver_node(cls, **options):
+    """A 0-CPU actor of `cls` that keeps a run's numbers, on the driver's node, so that
+    losing a worker node does not lose them. The affinity is hard: Ray 2.60 placed a
+    soft-affine actor on a worker node although the driver's could take it (and a 0-CPU
+    actor always fits on the driver's node, which lives as long as the run)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = ray.get_runtime_context().get_node_id()
-    return ray.remote(num_cpus=0, max_restarts=0)(ErrorTally).options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
+    return ray.remote(num_cpus=0, max_restarts=0)(cls).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False), **options).remote()
+
+
+def start_tally():
+    """An ErrorTally actor for this run (on_driver_node)."""
+    return on_driver_node(ErrorTally)

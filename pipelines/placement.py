@@ -18,6 +18,7 @@ import time
 
 import ray
 
+from .budget import on_driver_node
 from .config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -83,17 +84,9 @@ class ActorStats:
 
 
 def start_stats(run_id: str):
-    """The run's ActorStats actor: no CPU (it only keeps numbers), on the driver's node so
-    that losing a worker node does not lose the records, and named STATS_NAME + run id so
-    that a running job's actors can be looked up (ray.get_actor). The affinity is hard: Ray
-    2.60 placed a soft-affine actor on a worker node although the driver's could take it
-    (and a 0-CPU actor always fits on the driver's node, which lives as long as the run)."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    here_node = ray.get_runtime_context().get_node_id()
-    return ray.remote(num_cpus=0, max_restarts=0)(ActorStats).options(
-        name=STATS_NAME + run_id,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(here_node, soft=False)).remote()
+    """The run's ActorStats actor (budget.on_driver_node), named STATS_NAME + run id so
+    that a running job's actors can be looked up (ray.get_actor)."""
+    return on_driver_node(ActorStats, name=STATS_NAME + run_id)
 
 
 def report(stats, record: dict, started: float | None = None) -> None:
