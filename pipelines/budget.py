@@ -12,11 +12,6 @@ from dataclasses import dataclass
 import ray
 
 
-class ErrorBudgetExceeded(RuntimeError):
-    """More rows failed (stages.FAILURE_REASONS) than --max-error-share allows: the run
-    fails without a manifest (exit status 5), and a rerun redoes the failed rows."""
-
-
 @dataclass(frozen=True)
 class ErrorBudget:
     """--max-error-share of the rows a run reads (of their examples, where an adapter fans

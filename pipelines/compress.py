@@ -24,14 +24,14 @@ from pathlib import Path
 import pyarrow as pa
 import ray
 
-from mist_core.errors import MissingDependency, UnsupportedModel
 from mist_core.formats import (DATA_COLUMNS, REJECT_SCHEMA, SCORES_SCHEMA, budget_label,
                                data_schema, fits, kinds_type, sft_budgets, sft_format_name)
 
-from . import faults, placement, stages, storage
-from .config import ConfigError, JobConfig, parse_args
+from . import errors, faults, placement, stages, storage
+from .config import JobConfig, parse_args
+from .errors import AccountingError, ConfigError, ErrorBudgetExceeded, causes
 from .output import Existing, Output
-from .budget import ErrorBudget, ErrorBudgetExceeded, start_tally
+from .budget import ErrorBudget, start_tally
 from .sink import OutputSink, WriteStats
 from .sources import Input, check_submitted_paths, read_raw, resolve_inputs
 
@@ -42,10 +42,6 @@ TASK_MEMORY = 512 * 1024**2  # bytes per read/tokenize task: a tokenizer and a b
 # passes, and a larger call packs better (SmolLM2 on 2 CPUs: 1.46 chains/s with calls of 32
 # rows, 1.8-2.2 with calls of 256; docs/results/performance.md).
 CALL_BATCHES = 8
-
-
-class AccountingError(RuntimeError):
-    """The counts of a run do not add up: rows were lost or duplicated."""
 
 
 @dataclass
@@ -464,54 +460,16 @@ def summary(manifest: dict, out: Output) -> str:
     return "\n".join(lines)
 
 
-def causes(e: BaseException) -> list[BaseException]:
-    """`e` and the errors behind it: errors from Ray tasks arrive wrapped (RayTaskError.cause,
-    UserCodeException.__cause__)."""
-    out = []
-    while e is not None and all(e is not seen for seen in out):
-        out.append(e)
-        inner = getattr(e, "cause", None)
-        e = inner if isinstance(inner, BaseException) else (e.__cause__ or e.__context__)
-    return out
-
-
 def main(argv: list[str] | None = None, prog: str = "python -m pipelines.compress") -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
+    errors.setup_logging()
+
+    def body() -> int:
         cfg = parse_args(argv, prog)
         manifest = run(cfg)
-    except (ConfigError, FileNotFoundError, MissingDependency, UnsupportedModel) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except AccountingError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 3
-    except ErrorBudgetExceeded as e:
-        if ray.is_initialized():
-            ray.shutdown()  # its shutdown messages must not follow ours
-        print(f"error: {e}", file=sys.stderr)
-        return 5
-    except Exception as e:
-        chain = causes(e)
-        failure = next(filter(None, map(stages.model_load_message, chain)), None)
-        if failure is not None:  # a bad --model: Ray Data gives up at the first actor death
-            if ray.is_initialized():
-                ray.shutdown()
-            print(f"error: {failure}", file=sys.stderr)
-            return 2
-        # Storage that stayed unreachable past the retries. Every output file is whole and
-        # the manifest is written last, so a rerun resumes.
-        cause = next(filter(storage.transient, chain), None)
-        if cause is None:
-            raise
-        if ray.is_initialized():
-            ray.shutdown()  # its shutdown messages must not follow ours
-        print(f"error: storage unavailable: {storage.one_line(cause)}; the run did not finish "
-              "and wrote no manifest: rerun the same command to resume", file=sys.stderr)
-        return 4
-    print(summary(manifest, Output(cfg.output)), flush=True)
-    return 0
+        print(summary(manifest, Output(cfg.output)), flush=True)
+        return 0
+
+    return errors.run_main(body)
 
 
 if __name__ == "__main__":

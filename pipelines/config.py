@@ -9,13 +9,11 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from .errors import ConfigError
+
 DEFAULT_BUDGETS = [0.5, 0.6, 0.7, 0.8, 0.9]
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEVICES = ("auto", "cpu", "cuda")
-
-
-class ConfigError(ValueError):
-    """Settings that cannot run: the message says which and why."""
 
 
 @dataclass

@@ -29,13 +29,13 @@ import numpy as np
 import pyarrow as pa
 import ray
 
-from mist_core.errors import InvalidExample, MissingDependency, UnsupportedModel
+from mist_core.errors import InvalidExample, MissingDependency
 from mist_core.examples import ADAPTERS
 from mist_core.formats import budget_label
 from mist_core.taxonomy import TYPES
 from mist_core.templates import TEMPLATES
 
-from . import stages
+from . import errors, stages
 from .config import ConfigError, parse_actors, parse_columns, parse_floats
 from .sources import read_raw, resolve_inputs
 
@@ -449,18 +449,17 @@ def parse_args(argv: list[str], prog: str) -> EvalConfig:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m pipelines.evaluate") -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    errors.setup_logging()
     argv = sys.argv[1:] if argv is None else list(argv)
-    try:
+
+    def body() -> int:
         cfg = parse_args(argv, prog)
         meta = run(cfg, argv)
-    except (ConfigError, FileNotFoundError, MissingDependency, UnsupportedModel) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"evaluated {meta['seconds']['chains_this_run']} chains in "
-          f"{meta['seconds']['total']:.0f}s; results in {cfg.output}/{RESULTS}")
-    return 0
+        print(f"evaluated {meta['seconds']['chains_this_run']} chains in "
+              f"{meta['seconds']['total']:.0f}s; results in {cfg.output}/{RESULTS}")
+        return 0
+
+    return errors.run_main(body)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from mist_core.examples import ADAPTERS
 from mist_core.formats import budget_label
 from mist_core.templates import TEMPLATES
 
-from . import stages
+from . import errors, stages
 from .config import ConfigError, parse_columns, parse_floats
 
 ROWS = ("necessity", "sufficiency", "unified")
@@ -194,15 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--template", default="auto", choices=TEMPLATES)
     p.add_argument("--out", default="docs/results", help="folder for saliency.html and saliency.png")
     a = p.parse_args(argv)
+    return errors.run_main(lambda: draw(a, argv))
+
+
+def draw(a: argparse.Namespace, argv: list[str]) -> int:
     from mist_core import load_model
 
-    try:
-        ex = read_example(a.input, a.adapter, parse_columns(a.columns), a.row, a.format)
-        lm = load_model(a.model)
-        view = chain_view(lm, ex, sorted(set(parse_floats(a.budgets))), a.alpha, a.unit, a.template)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    ex = read_example(a.input, a.adapter, parse_columns(a.columns), a.row, a.format)
+    lm = load_model(a.model)
+    view = chain_view(lm, ex, sorted(set(parse_floats(a.budgets))), a.alpha, a.unit, a.template)
     caption = (f"model {lm.name}; corpus {', '.join(a.input)} ({a.adapter}), row {a.row} "
                f"(id {ex.key}); unit {a.unit}, α = {a.alpha}; command: python -m pipelines.saliency "
                + shlex.join(argv))

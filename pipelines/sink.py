@@ -29,7 +29,8 @@ from mist_core.formats import (REJECT_SCHEMA, SCORES_SCHEMA, budget_label, data_
                                data_schema, sft_records)
 
 from . import storage
-from .budget import ErrorBudget, ErrorBudgetExceeded
+from .budget import ErrorBudget
+from .errors import ErrorBudgetExceeded
 from .stages import FAILURE_REASONS, OK, REJECT, SKIP
 
 DIRS = ("data", "sft", "scores", "rejects")

@@ -25,6 +25,7 @@ from mist_core.prune import token_pieces
 from mist_core.templates import Encoded
 
 from . import faults, placement
+from .errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -296,19 +297,6 @@ def _encoded(row: dict) -> Encoded:
 
 def _floats_or_none(v) -> list | None:
     return None if v is None else np.asarray(v, np.float64).tolist()
-
-
-class ModelLoadError(RuntimeError):
-    """The model's weights could not be loaded in a scoring actor (its tokenizer could)."""
-
-
-def model_load_message(e: BaseException) -> str | None:
-    """The message if `e` is a ModelLoadError, or reports one: Ray reports an actor whose
-    constructor raised as ActorDiedError, with the original error only as text."""
-    if isinstance(e, ModelLoadError):
-        return str(e)
-    found = re.search(r"ModelLoadError: (.+)", str(e))
-    return found.group(1).strip() if found else None
 
 
 class ScoreActor:

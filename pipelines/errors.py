@@ -1,0 +1,102 @@
+"""One error policy for every entry point (compress, eval, saliency, generate, train, solve):
+what went wrong is said in one `error:` line on stderr and the exit status says its kind.
+
+  0  done
+  2  settings, input or model that cannot run (ConfigError, a missing file or dependency,
+     an unsupported model, a model that does not load in an actor)
+  3  accounting: the counts of a run do not add up (rows lost or duplicated)
+  4  storage unreachable past the retries (every file written is whole; rerun to resume)
+  5  more rows failed than --max-error-share allows (no manifest; rerun to redo them)
+
+Light on purpose (the standard library; torch, Ray and storage only on the error path):
+the settings module imports this one, and `mist --help` or `report` must not wait for torch."""
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from typing import Callable
+
+OK, BAD_INPUT, ACCOUNTING, STORAGE, ERROR_BUDGET = 0, 2, 3, 4, 5
+
+
+class ConfigError(ValueError):
+    """Settings that cannot run: the message says which and why."""
+
+
+class AccountingError(RuntimeError):
+    """The counts of a run do not add up: rows were lost or duplicated."""
+
+
+class ErrorBudgetExceeded(RuntimeError):
+    """More rows failed (stages.FAILURE_REASONS) than --max-error-share allows: the run
+    fails without a manifest (exit status 5), and a rerun redoes the failed rows."""
+
+
+class ModelLoadError(RuntimeError):
+    """The model's weights could not be loaded in an actor (its tokenizer could)."""
+
+
+def causes(e: BaseException) -> list[BaseException]:
+    """`e` and what caused it, outermost first (Ray Data wraps an actor's error in its own)."""
+    out = []
+    while e is not None and all(e is not seen for seen in out):
+        out.append(e)
+        inner = getattr(e, "cause", None)
+        e = inner if isinstance(inner, BaseException) else (e.__cause__ or e.__context__)
+    return out
+
+
+def model_load_message(e: BaseException) -> str | None:
+    """The message if `e` is a ModelLoadError, or reports one: Ray reports an actor whose
+    constructor raised as ActorDiedError, with the original error only as text."""
+    if isinstance(e, ModelLoadError):
+        return str(e)
+    found = re.search(r"ModelLoadError: (.+)", str(e))
+    return found.group(1).strip() if found else None
+
+
+def classify(e: BaseException) -> tuple[int, str] | None:
+    """(exit status, the one line to print) for an error the policy knows; None for a bug,
+    which keeps its traceback."""
+    from mist_core.errors import MissingDependency, UnsupportedModel
+
+    if isinstance(e, (ConfigError, FileNotFoundError, MissingDependency, UnsupportedModel)):
+        return BAD_INPUT, str(e)
+    if isinstance(e, AccountingError):
+        return ACCOUNTING, str(e)
+    if isinstance(e, ErrorBudgetExceeded):
+        return ERROR_BUDGET, str(e)
+    chain = causes(e)
+    failure = next(filter(None, map(model_load_message, chain)), None)
+    if failure is not None:  # a bad --model: Ray Data gives up at the first actor death
+        return BAD_INPUT, failure
+    from . import storage
+
+    cause = next(filter(storage.transient, chain), None)
+    if cause is not None:
+        return STORAGE, (f"storage unavailable: {storage.one_line(cause)}; the run did not "
+                         "finish and wrote no manifest: rerun the same command to resume")
+    return None
+
+
+def run_main(body: Callable[[], int]) -> int:
+    """Run an entry point's body under the policy: a known error is one line and its exit
+    status; Ray, if this process started it, is shut down first so that its shutdown
+    messages do not follow ours."""
+    try:
+        return body()
+    except Exception as e:
+        known = classify(e)
+        if known is None:
+            raise
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
+        print(f"error: {known[1]}", file=sys.stderr, flush=True)
+        return known[0]
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")

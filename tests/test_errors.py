@@ -1,0 +1,69 @@
+"""The one error policy of every entry point (pipelines/errors.py): the exit status of each
+kind of error, one `error:` line, and a bug's traceback kept."""
+import pytest
+
+from mist_core.errors import MissingDependency, UnsupportedModel
+from pipelines import errors, evaluate, saliency
+from pipelines.errors import (AccountingError, ConfigError, ErrorBudgetExceeded, ModelLoadError,
+                              classify, run_main)
+
+
+@pytest.mark.parametrize("error, status", [
+    (ConfigError("bad --budgets"), 2), (FileNotFoundError("no such file: x.jsonl"), 2),
+    (MissingDependency("pip install gguf"), 2), (UnsupportedModel("no blocks"), 2),
+    (ModelLoadError("cannot load --model m"), 2), (AccountingError("3 rows lost"), 3),
+    (ErrorBudgetExceeded("12 rows failed, 0 may"), 5)])
+def test_each_kind_has_its_status(error, status):
+    assert classify(error) == (status, str(error))
+
+
+def test_a_model_that_failed_in_an_actor_is_found_in_rays_text():
+    # Ray reports an actor whose constructor raised only as text, inside its own error.
+    died = RuntimeError("The actor died because of an error raised in its creation task\n"
+                        "pipelines.errors.ModelLoadError: a scoring actor could not load --model x: gone\n")
+    try:
+        try:
+            raise died
+        except RuntimeError as inner:
+            raise ValueError("Ray Data: the operator failed") from inner
+    except ValueError as outer:
+        assert classify(outer) == (2, "a scoring actor could not load --model x: gone")
+
+
+def test_storage_past_its_retries_is_status_4():
+    try:
+        try:
+            raise ConnectionResetError("Connection reset by peer")
+        except ConnectionResetError as inner:
+            raise RuntimeError("write failed") from inner
+    except RuntimeError as outer:
+        status, line = classify(outer)
+    assert status == 4 and line.startswith("storage unavailable:") and "rerun" in line
+
+
+def test_run_main_prints_one_line_and_returns_the_status(capsys):
+    def body():
+        raise ConfigError("--sample must be at least 1")
+
+    assert run_main(body) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --sample must be at least 1\n"
+
+
+def test_a_bug_keeps_its_traceback():
+    def body():
+        raise KeyError("a bug")
+
+    with pytest.raises(KeyError):
+        run_main(body)
+    assert classify(KeyError("a bug")) is None
+
+
+def test_every_entry_point_uses_it(capsys, tmp_path):
+    # eval and saliency used to map fewer errors than compress: a missing input is status 2
+    # with one line in each.
+    missing = str(tmp_path / "missing.jsonl")
+    assert evaluate.main(["--input", missing, "--output", str(tmp_path / "ev")]) == 2
+    assert capsys.readouterr().err.count("error:") == 1
+    assert saliency.main(["--input", missing, "--out", str(tmp_path / "sal")]) == 2
+    assert capsys.readouterr().err.count("error:") == 1
