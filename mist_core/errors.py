@@ -6,10 +6,13 @@ class MistError(Exception):
 
 
 class InvalidExample(MistError):
-    """An example that cannot be scored. `reason` is a short machine-friendly code."""
+    """An example that cannot be scored. `reason` is a short machine-friendly code, one of
+    mist_core.reasons.REASONS."""
 
     def __init__(self, reason: str, detail: str = "", example_id=None):
-        self.reason = reason
+        from .reasons import check
+
+        self.reason = check(reason)
         self.detail = detail
         self.example_id = example_id
         msg = reason if not detail else f"{reason}: {detail}"
@@ -24,7 +27,7 @@ class NonFiniteScores(InvalidExample):
     and the per-chain normalisation would hide it as all-zero scores, so the chain fails
     instead. Reason `nonfinite_scores`; `detail` says which quantity."""
 
-    REASON = "nonfinite_scores"
+    REASON = "nonfinite_scores"  # declared in reasons.FAILURES
 
     def __init__(self, detail: str = "", example_id=None):
         super().__init__(self.REASON, detail, example_id)

@@ -1,5 +1,5 @@
 """The error budget of a run (--max-error-share): how many of the rows read may fail for the
-job's or the model's fault (stages.FAILURE_REASONS) before the run fails with exit status 5
+job's or the model's fault (reasons.FAILURE_REASONS) before the run fails with exit status 5
 and no manifest, and the tally through which the write tasks (sink.py) stop a run early.
 
 Light on purpose (the standard library and ray): the tally actor's process imports this

@@ -24,6 +24,7 @@ from pathlib import Path
 import pyarrow as pa
 import ray
 
+from mist_core import reasons
 from mist_core.formats import (DATA_COLUMNS, REJECT_SCHEMA, SCORES_SCHEMA, budget_label,
                                data_schema, fits, kinds_type, sft_budgets, sft_format_name)
 
@@ -309,23 +310,23 @@ def make_manifest(cfg: JobConfig, *, run_id: str, started: str, inputs: list[Inp
 
 def retry_failed_rows(out: Output, plan: Plan, existing: Existing) -> None:
     """Rows an earlier run rejected because the job or the model failed on them
-    (stages.FAILURE_REASONS) are redone, not skipped as final: their rejects leave rejects/
+    (reasons.FAILURE_REASONS) are redone, not skipped as final: their rejects leave rejects/
     (where this run reads those rows again) and the run records them afresh if they fail
     again. Runs after the manifest is stashed: the folder reads as unfinished meanwhile."""
-    if not set(existing.reject_reasons) & stages.FAILURE_REASONS:
+    if not set(existing.reject_reasons) & reasons.FAILURE_REASONS:
         return
 
     def rereads(source: str, row: int) -> bool:
         return ((plan.sources is None or source in plan.sources)
                 and (plan.row_limits is None or row <= plan.row_limits.get(source, 0)))
 
-    dropped = out.drop_failed_rejects(stages.FAILURE_REASONS, rereads)
+    dropped = out.drop_failed_rejects(reasons.FAILURE_REASONS, rereads)
     # read back, not subtracted: a drop retried after a storage error returns only its
     # last attempt's keys
     existing.rejects, existing.reject_rows, existing.reject_reasons = out.rejects()
     if dropped:
         log.info("%d rows rejected as failures by an earlier run (%s) are redone",
-                 len(dropped), ", ".join(sorted(stages.FAILURE_REASONS)))
+                 len(dropped), ", ".join(sorted(reasons.FAILURE_REASONS)))
 
 
 def run(cfg: JobConfig) -> dict:

@@ -48,7 +48,7 @@ class JobConfig:
     sft_format: str = "prompt-completion"
     sft_mix: str = "sample"
     seed: int = 0
-    # The share of the rows read that may fail (FAILURE_REASONS in stages.py: the scorer or
+    # The share of the rows read that may fail (mist_core/reasons.py FAILURES: the scorer or
     # the model failed, not the input) before the run fails with exit status 5.
     max_error_share: float = 0.0
     # Seconds between the driver's progress lines while scoring (placement.Progress); 0: none.

@@ -29,7 +29,7 @@ class AccountingError(RuntimeError):
 
 
 class ErrorBudgetExceeded(RuntimeError):
-    """More rows failed (stages.FAILURE_REASONS) than --max-error-share allows: the run
+    """More rows failed (reasons.FAILURE_REASONS) than --max-error-share allows: the run
     fails without a manifest (exit status 5), and a rerun redoes the failed rows."""
 
 

@@ -132,7 +132,7 @@ class Output:
     @storage.retried
     def drop_failed_rejects(self, reasons: frozenset, rereads=None) -> frozenset:
         """Delete from rejects/ the rows rejected for one of `reasons` (the job's or the
-        model's failures, stages.FAILURE_REASONS, not the input's) that this run reads
+        model's failures, reasons.FAILURE_REASONS, not the input's) that this run reads
         again (`rereads(source, row)`; None: all): such a reject is not final, the run
         redoes its row and records it afresh if it fails again. Each file is rewritten whole
         without them, or deleted if nothing else is left. Returns their reject_keys."""

@@ -10,7 +10,7 @@ a hash of the rows in the group, so a retried write task rewrites the same files
 adding a second copy.
 
 The error budget (--max-error-share, budget.py) is counted here too: each write task reports
-the rows of its group that failed (stages.FAILURE_REASONS) to a tally the driver holds, and
+the rows of its group that failed (reasons.FAILURE_REASONS) to a tally the driver holds, and
 the task that takes the failures past the budget fails the run, so that a broken model stops
 a long run early instead of at its end."""
 from __future__ import annotations
@@ -27,11 +27,12 @@ from ray.data.datasource import Datasink
 
 from mist_core.formats import (REJECT_SCHEMA, SCORES_SCHEMA, budget_label, data_rows,
                                data_schema, sft_records)
+from mist_core.reasons import FAILURE_REASONS
 
 from . import storage
 from .budget import ErrorBudget
 from .errors import ErrorBudgetExceeded
-from .stages import FAILURE_REASONS, OK, REJECT, SKIP
+from .stages import OK, REJECT, SKIP
 
 DIRS = ("data", "sft", "scores", "rejects")
 

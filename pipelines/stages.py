@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import re
 import time
 import traceback
 from types import SimpleNamespace
@@ -20,6 +19,7 @@ import pyarrow as pa
 
 from mist_core import (Example, InvalidExample, NonFiniteScores, get_adapter, get_scorer,
                        load_model, prune)
+from mist_core import reasons
 from mist_core.formats import extra_name, value_kind
 from mist_core.prune import token_pieces
 from mist_core.templates import Encoded
@@ -48,17 +48,13 @@ STREAM_SCHEMA = pa.schema([
 ])
 OK, REJECT, SKIP = "ok", "reject", "skip"
 
-# Reject reasons. Most name what is wrong with a row (the validators' and adapters' codes:
-# invalid_json, missing_column, empty_cot, no_final_answer, …; too_long, duplicate_id,
-# unreadable_file, too_long_for_memory). These name a failure of the job or of the model on
-# a row that was fine as far as anyone can tell: they count against --max-error-share (see
-# sink.ErrorBudget), and their rejects are not final (a later run drops them and redoes the
-# rows, Output.drop_failed_rejects).
+# The reasons (declared with their words in mist_core/reasons.py) that name a failure of the
+# job or of the model rather than of the row: they count against --max-error-share, and
+# their rejects are not final (a later run redoes the rows, Output.drop_failed_rejects).
 SCORE_ERROR = "score_error"  # the scorer raised
 NONFINITE_SCORES = NonFiniteScores.REASON  # NaN or inf from the model
 PRUNE_ERROR = "prune_error"  # pruning raised
 UNEXPECTED_ERROR = "unexpected_error"  # validating or tokenizing raised (a bug, not a reason)
-FAILURE_REASONS = frozenset({SCORE_ERROR, NONFINITE_SCORES, PRUNE_ERROR, UNEXPECTED_ERROR})
 
 # Columns each adapter reads; the rest of a row is passed through as extra columns.
 _CONSUMED = {"gsm8k": {"question", "answer", "solution", "id"},
@@ -143,20 +139,9 @@ def _raw_text(raw: bytes) -> str:
 
 
 def _reject(row: dict, reason: str, detail: str = "") -> dict:
-    row.update(status=REJECT, reason=reason, detail=detail or default_detail(reason))
+    """Every reject says what was wrong in a sentence as well as a code."""
+    row.update(status=REJECT, reason=reasons.check(reason), detail=detail or reasons.words(reason))
     return row
-
-
-def default_detail(reason: str) -> str:
-    """Words for a reason whose error came without a detail, so that every reject says what
-    was wrong in a sentence as well as a code."""
-    m = re.fullmatch(r"empty_(\w+)", reason)
-    if m:
-        return f"{m[1]} is empty or only whitespace"
-    m = re.fullmatch(r"null_byte_in_(\w+)", reason)
-    if m:
-        return f"{m[1]} contains a NUL character (U+0000)"
-    return reason.replace("_", " ")
 
 
 # Where an adapter reads a row's id, when not from `id` (generic: its --columns mapping).

@@ -21,10 +21,10 @@ import torch
 
 from conftest import make_model
 from mist_core import InvalidExample, MistScorer, NonFiniteScores, get_scorer
+from mist_core import reasons
 from mist_core.formats import REJECT_SCHEMA
 from mist_core.models import wrap_model
 from mist_core.scorer import combine, zscore
-from pipelines import stages
 from pipelines.config import ConfigError, parse_args
 from pipelines.output import Output
 from pipelines.budget import ErrorBudget
@@ -104,11 +104,11 @@ def test_normalisation_never_turns_nan_into_zeros():
 
 def test_failure_reasons_are_the_jobs_not_the_inputs():
     assert {"score_error", "prune_error", "nonfinite_scores",
-            "unexpected_error"} <= stages.FAILURE_REASONS
-    assert NonFiniteScores.REASON in stages.FAILURE_REASONS
+            "unexpected_error"} <= reasons.FAILURE_REASONS
+    assert NonFiniteScores.REASON in reasons.FAILURE_REASONS
     for reason in ("invalid_json", "missing_column", "too_long", "duplicate_id", "empty_cot",
                    "too_long_for_memory", "unreadable_file", "no_final_answer"):
-        assert reason not in stages.FAILURE_REASONS
+        assert reason not in reasons.FAILURE_REASONS
 
 
 def stats(**reasons) -> WriteStats:
@@ -181,20 +181,20 @@ def test_failed_rejects_are_not_final(tmp_path):
     assert existing.reject_rows == 4
     assert existing.reject_reasons == Counter(invalid_json=1, score_error=1, nonfinite_scores=1,
                                               too_long=1)
-    dropped = o.drop_failed_rejects(stages.FAILURE_REASONS)
+    dropped = o.drop_failed_rejects(reasons.FAILURE_REASONS)
     assert len(dropped) == 2 and dropped <= existing.rejects
     assert sorted(p.name for p in (out / "rejects").iterdir()) == ["a.parquet", "c.parquet"]
     assert pq.read_table(out / "rejects" / "a.parquet").column("reason").to_pylist() == \
         ["invalid_json"]
     write_rejects(out, "d.parquet", [{"row": 1, "reason": "score_error", "raw": "o1",
                                       "source": "file:///other.jsonl"}])
-    assert not o.drop_failed_rejects(stages.FAILURE_REASONS,
+    assert not o.drop_failed_rejects(reasons.FAILURE_REASONS,
                                      lambda source, row: source == "file:///c.jsonl")
     (out / "rejects" / "d.parquet").unlink()  # a row this run reads again: dropped
     again = o.load()
-    assert again.reject_rows == 2 and not set(again.reject_reasons) & stages.FAILURE_REASONS
+    assert again.reject_rows == 2 and not set(again.reject_reasons) & reasons.FAILURE_REASONS
     assert again.rejects == existing.rejects - dropped
-    assert not o.drop_failed_rejects(stages.FAILURE_REASONS)
+    assert not o.drop_failed_rejects(reasons.FAILURE_REASONS)
 
 
 # ------------------------------------------------------------------ the job

@@ -67,3 +67,44 @@ def test_every_entry_point_uses_it(capsys, tmp_path):
     assert capsys.readouterr().err.count("error:") == 1
     assert saliency.main(["--input", missing, "--out", str(tmp_path / "sal")]) == 2
     assert capsys.readouterr().err.count("error:") == 1
+
+
+# ------------------------------------------------------------------ reject reasons
+
+def test_an_undeclared_reject_reason_is_refused():
+    from mist_core import InvalidExample
+
+    assert InvalidExample("empty_cot").reason == "empty_cot"
+    with pytest.raises(ValueError, match="undeclared reject reason 'emtpy_cot'"):
+        InvalidExample("emtpy_cot")
+
+
+def test_every_reason_the_code_names_is_declared():
+    # The literal reasons of InvalidExample(...) and of the job's own rejects, and the
+    # patterns that make one from a field name, all in mist_core/reasons.py.
+    import re
+    from pathlib import Path
+
+    from mist_core.reasons import FAILURES, REASONS
+
+    root = Path(__file__).resolve().parents[1]
+    named = set()
+    for path in [*root.glob("mist_core/*.py"), *root.glob("pipelines/*.py")]:
+        text = path.read_text(encoding="utf-8")
+        named |= set(re.findall(r'InvalidExample\(\s*"(\w+)"', text))
+        named |= set(re.findall(r'^(?:[A-Z_]+) = "(\w+)"  # ', text, re.M)) & set(FAILURES)
+        for pattern in re.findall(r'InvalidExample\(\s*f"([\w{}]+)"', text):
+            regex = re.sub(r"\\\{\w+\\\}", r"\\w+", re.escape(pattern))
+            assert any(re.fullmatch(regex, r) for r in REASONS), pattern
+    assert named and named <= set(REASONS), named - set(REASONS)
+    assert set(FAILURES) == {"score_error", "nonfinite_scores", "prune_error", "unexpected_error"}
+
+
+def test_the_readme_table_of_reasons_is_current():
+    from pathlib import Path
+
+    from mist_core.reasons import markdown_table
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    table = "".join(f"  {line}\n" for line in markdown_table().splitlines())
+    assert table in readme, "regenerate the README's table from mist_core.reasons.markdown_table()"
