@@ -1,13 +1,26 @@
-"""MIST: model-internal token saliency for chain-of-thought compression."""
-from .errors import (InvalidExample, MissingDependency, MistError, NonFiniteScores,
-                     UnsupportedModel)
+"""MIST: model-internal token saliency for chain-of-thought compression.
+
+The names that need torch (models, scorers) are imported on first use (PEP 562), so that
+the light modules (answers, formats, reasons, retention, stats) load without it:
+`python -m pipelines.report` and `mist --help` need no model."""
+from importlib import import_module
+
+from .errors import InvalidExample, MissingDependency, MistError, NonFiniteScores, UnsupportedModel
 from .examples import Example, get_adapter
-from .models import LM, load_model, model_path, wrap_model
-from .prune import Compressed, prune
-from .registry import get_scorer, scorer_names
-from .scorer import MistScorer, ScoredChain, Scorer
+from .prune import Compressed, prune  # `prune` the function, not the module of that name
 from .templates import get_template
 
-__all__ = ["Compressed", "Example", "InvalidExample", "LM", "MissingDependency", "MistError",
-           "MistScorer", "NonFiniteScores", "ScoredChain", "Scorer", "UnsupportedModel", "get_adapter",
-           "get_scorer", "get_template", "load_model", "model_path", "prune", "scorer_names", "wrap_model"]
+_LAZY = {"LM": "models", "load_model": "models", "model_path": "models", "wrap_model": "models",
+         "get_scorer": "registry", "scorer_names": "registry",
+         "MistScorer": "scorer", "ScoredChain": "scorer", "Scorer": "scorer"}
+__all__ = sorted(["Compressed", "Example", "InvalidExample", "MissingDependency", "MistError",
+                  "NonFiniteScores", "UnsupportedModel", "get_adapter", "get_template", "prune",
+                  *_LAZY])
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'mist_core' has no attribute {name!r}")
+    value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value

@@ -6,8 +6,8 @@ For one chain and many compressed versions of it (methods x budgets):
 - the greedy answer after c', decoded a few tokens at a time, and whether it is right;
 - what the compression kept: intermediate results, number tokens, token types, and the
   chain's last statement of the answer.
-And the corpus-level statistics: rank correlation and top-k overlap of the two axes,
-first-order vs exact agreement, bootstrap confidence intervals.
+(The corpus-level statistics are in stats.py, the per-token facts of what is kept in
+retention.py: neither needs a model.)
 
 How the passes share work: all compressed inputs of one chain start with the same
 question prefix, whose keys and values are computed once and copied into each batch. The
@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from .answers import answer_correct, answer_mention, intermediate_results
+from .answers import answer_correct
 from .models import LM
-from .prune import budget_tokens
+from .retention import ChainProfile
 from .scorer import shared_prefix
-from .taxonomy import TYPES, token_types
 from .templates import Encoded
 from .tracing import cache_kwarg, pad, run_base, wide
 
@@ -226,57 +224,6 @@ def _decode(lm: LM, states: dict, parts: list, stop: np.ndarray) -> None:
         alive = [alive[i] for i in keep]
 
 
-# ---------------------------------------------------------------- what a compression keeps
-
-@dataclass
-class ChainProfile:
-    """Per-token facts of one chain that do not depend on the compression."""
-
-    types: np.ndarray  # str [T], see taxonomy.TYPES
-    numbers: np.ndarray  # bool [T]: tokens holding a digit
-    results: list[np.ndarray]  # token indices of each intermediate result
-    answer: np.ndarray | None = None  # token indices of the chain's last statement of the answer
-
-    @classmethod
-    def of(cls, cot: str, offsets: np.ndarray, style: str, answer: str | None = None) -> "ChainProfile":
-        offsets = np.asarray(offsets).reshape(-1, 2)
-        texts = [cot[a:b] for a, b in offsets]
-
-        def tokens(a, b):
-            return np.nonzero((offsets[:, 0] < b) & (offsets[:, 1] > a))[0]
-
-        results = [idx for idx in (tokens(a, b) for a, b in intermediate_results(cot, style)) if len(idx)]
-        span = answer_mention(cot, answer, style) if answer is not None else None
-        return cls(types=np.array(token_types(cot, offsets)),
-                   numbers=np.array([any(ch.isdigit() for ch in t) for t in texts], dtype=bool),
-                   results=results, answer=tokens(*span) if span else None)
-
-    def totals(self) -> dict:
-        return {"tokens": len(self.types), "numbers": int(self.numbers.sum()),
-                "results": len(self.results), "answer": int(self.answer is not None),
-                "types": [int((self.types == t).sum()) for t in TYPES]}
-
-    def kept(self, kept: np.ndarray) -> dict:
-        """Counts of what `kept` keeps; an intermediate result (or the answer's statement)
-        survives only if every one of its tokens is kept."""
-        kept = np.asarray(kept, dtype=bool)
-        return {"tokens": int(kept.sum()), "numbers": int((kept & self.numbers).sum()),
-                "results": int(sum(kept[idx].all() for idx in self.results)),
-                "answer": int(self.answer is not None and bool(kept[self.answer].all())),
-                "types": [int((kept & (self.types == t)).sum()) for t in TYPES]}
-
-
-def pack_mask(kept: np.ndarray | None) -> str:
-    """A kept mask as hex (8 tokens a byte), so stored results can be re-measured."""
-    return "" if kept is None else np.packbits(np.asarray(kept, dtype=bool)).tobytes().hex()
-
-
-def unpack_mask(text: str, T: int) -> np.ndarray:
-    if not text:
-        return np.zeros(T, dtype=bool)
-    return np.unpackbits(np.frombuffer(bytes.fromhex(text), dtype=np.uint8))[:T].astype(bool)
-
-
 def positional_scores(T: int, where: str) -> np.ndarray:
     """Scores that make pruning keep the first (`head`) or last (`tail`) tokens."""
     if where == "head":
@@ -304,85 +251,3 @@ def evaluate_chain(lm: LM, enc: Encoded, variants: dict, style: str, extra_new: 
                      "correct": answer_correct(ans.text, enc.example.answer, style),
                      **profile.kept(kept if kept is not None else np.zeros(enc.chain_len, bool))}
     return out
-
-
-# ---------------------------------------------------------------- rank statistics
-
-def ranks(x: np.ndarray) -> np.ndarray:
-    """Ranks 1..n, ties getting their mean rank."""
-    x = np.asarray(x, dtype=np.float64)
-    order = np.argsort(x, kind="stable")
-    r = np.empty(len(x))
-    r[order] = np.arange(1, len(x) + 1)
-    _, inv, counts = np.unique(x, return_inverse=True, return_counts=True)
-    sums = np.bincount(inv, weights=r)
-    return sums[inv] / counts[inv]
-
-
-def spearman(a: np.ndarray, b: np.ndarray) -> float:
-    """Spearman's ρ (Pearson correlation of the tie-averaged ranks); nan if either is
-    constant."""
-    ra, rb = ranks(a), ranks(b)
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    den = math.sqrt(float((ra * ra).sum() * (rb * rb).sum()))
-    return float((ra * rb).sum() / den) if den > 0 else float("nan")
-
-
-def top_set(scores: np.ndarray, frac: float) -> set:
-    """The ⌈frac·T⌉ highest scores' indices (ties to the earlier token, as pruning does)."""
-    k = budget_tokens(frac, len(scores))
-    return set(np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")[:k].tolist())
-
-
-def top_overlap(a: np.ndarray, b: np.ndarray, frac: float = 0.3) -> tuple[float, float]:
-    """(|A∩B|/|A|, |A∩B|/|A∪B|) of the top-frac sets of two score vectors."""
-    A, B = top_set(a, frac), top_set(b, frac)
-    return len(A & B) / len(A), len(A & B) / len(A | B)
-
-
-def exact_agreement(first: np.ndarray, exact: np.ndarray, gammas: Sequence[float],
-                    weights: np.ndarray | None = None) -> dict:
-    """Top-γ agreement |top(first) ∩ top(exact)| / k between per-layer first-order and
-    exact scores ([L, T] each, ranked by magnitude). `per_layer`: the mean over layers;
-    `aggregated`: on Σ_l w_l·|score_l| (Eq. 7 over these layers) when weights are given."""
-    out = {}
-    for g in gammas:
-        per = [top_overlap(np.abs(f), np.abs(e), g)[0] for f, e in zip(first, exact)]
-        out[f"per_layer@{g:g}"] = float(np.mean(per))
-        if weights is not None:
-            w = np.asarray(weights)[:, None]
-            out[f"aggregated@{g:g}"] = top_overlap((w * np.abs(first)).sum(0),
-                                                   (w * np.abs(exact)).sum(0), g)[0]
-    return out
-
-
-# ---------------------------------------------------------------- confidence intervals
-
-def bootstrap_indices(n: int, n_boot: int = 2000, seed: int = 0) -> np.ndarray:
-    """[n_boot, n] resampled example indices. Using the same draws for every method makes
-    differences between methods paired."""
-    return np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
-
-
-def ci_mean(x: np.ndarray, idx: np.ndarray, level: float = 0.95) -> tuple[float, float, float]:
-    """(mean, low, high): percentile bootstrap over examples; nan entries (an example the
-    measure does not apply to) are left out of each draw."""
-    x = np.asarray(x, dtype=np.float64)
-    if np.all(np.isnan(x)):
-        return (float("nan"),) * 3
-    with np.errstate(invalid="ignore", divide="ignore"):
-        draws = np.nanmean(x[idx], axis=1)
-    lo, hi = np.nanpercentile(draws, [50 * (1 - level), 50 * (1 + level)])
-    return float(np.nanmean(x)), float(lo), float(hi)
-
-
-def ci_ratio(num: np.ndarray, den: np.ndarray, idx: np.ndarray,
-             level: float = 0.95) -> tuple[float, float, float]:
-    """(mean(num)/mean(den), low, high): a ratio of means, bootstrapped over examples.
-    Retention is reported this way because a per-example ratio explodes on chains whose
-    full chain barely moves the answer's likelihood (LL(c) ≈ LL(∅))."""
-    num, den = np.asarray(num, np.float64), np.asarray(den, np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        draws = num[idx].mean(1) / den[idx].mean(1)
-    lo, hi = np.nanpercentile(draws, [50 * (1 - level), 50 * (1 + level)])
-    return float(num.mean() / den.mean()), float(lo), float(hi)

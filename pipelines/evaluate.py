@@ -31,23 +31,17 @@ import ray
 
 from mist_core.errors import InvalidExample, MissingDependency
 from mist_core.examples import ADAPTERS
-from mist_core.formats import budget_label
 from mist_core.taxonomy import TYPES
 from mist_core.templates import TEMPLATES
 
 from . import errors, stages
 from .config import ConfigError, parse_actors, parse_columns, parse_floats
+from .results import ALL_METHODS, BASELINES, POSITIONAL, RESULTS, RUN, read_records, variant_name
 from .sources import read_raw, resolve_inputs
 
 log = logging.getLogger("pipelines.evaluate")
 
-MIST_METHODS = ("mist", "necessity", "sufficiency")  # one MIST scoring gives all three
-BASELINES = ("uniform", "perplexity", "attention_rollout", "h2o", "gogi_l1", "llmlingua2")
-POSITIONAL = ("head", "tail")  # keep the first / last tokens
-ENDS = ("full", "nochain")  # the whole chain / no chain
-ALL_METHODS = MIST_METHODS + BASELINES + POSITIONAL + ENDS
 DEFAULT_BUDGETS = [0.3, 0.5, 0.7, 0.9]
-RESULTS, RUN = "results.jsonl", "run.json"
 # Settings a resumed run must share with the results already in its folder.
 _SAME = ("input", "adapter", "columns", "model", "methods", "budgets", "sample", "seed", "unit",
          "template", "dtype", "alpha", "style", "exact_n", "exact_layers", "extra_new")
@@ -81,10 +75,6 @@ class EvalConfig:
     gpus_per_actor: float | None = None
     threads: int | None = None
     address: str | None = None
-
-
-def variant_name(method: str, budget: float | None) -> str:
-    return method if budget is None else f"{method}@{budget_label(budget)}"
 
 
 def default_exact_layers(n_layers: int) -> list[int]:
@@ -146,7 +136,9 @@ class EvalActor:
 
     def _evaluate(self, todo: list) -> None:
         from mist_core.answers import style_for
-        from mist_core.evaluation import evaluate_chain, pack_mask, spearman, top_overlap
+        from mist_core.evaluation import evaluate_chain
+        from mist_core.retention import pack_mask
+        from mist_core.stats import spearman, top_overlap
 
         encs = [enc for _, enc, _ in todo]
         scored, seconds = {}, {}
@@ -204,7 +196,7 @@ class EvalActor:
 
     def _exact(self, enc, s) -> dict:
         """First-order (the scoring above) vs exact interventions at the chosen layers."""
-        from mist_core.evaluation import exact_agreement
+        from mist_core.stats import exact_agreement
         from mist_core.exact import exact_scores_encoded
 
         layers = self.exact_layers
@@ -287,15 +279,7 @@ def load_done(out: Path, cfg: EvalConfig) -> set:
     if diff:
         raise ConfigError(f"{out} holds results made with other settings ({', '.join(diff)}); "
                           "use --mode overwrite or another --output")
-    done = set()
-    with results.open(encoding="utf-8") as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by a crash
-                continue
-            done.add((rec["source"], rec["row"]))
-    return done
+    return {(rec["source"], rec["row"]) for rec in read_records(results)}
 
 
 def versions() -> dict:

@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 
 from mist_core.answers import answer_correct
-from mist_core.evaluation import (ChainProfile, bootstrap_indices, ci_mean, ci_ratio,
-                                  unpack_mask)
+from mist_core.retention import ChainProfile, unpack_mask
+from mist_core.stats import bootstrap_indices, ci_mean, ci_ratio
 from mist_core.formats import budget_label
 from mist_core.taxonomy import TYPE_LABELS, TYPES
 
-from .evaluate import ALL_METHODS, RESULTS, RUN, variant_name
+from .results import ALL_METHODS, RESULTS, RUN, read_records, variant_name
 
 PAPER = {"spearman": -0.07, "overlap30": 0.28,
          "exact": {("necessity", 0.3): 0.72, ("necessity", 0.5): 0.81,
@@ -33,12 +33,6 @@ COLORS = {"mist": "#d62728", "necessity": "#ff9896", "sufficiency": "#e377c2",
           "uniform": "#7f7f7f", "perplexity": "#1f77b4", "attention_rollout": "#17becf",
           "h2o": "#2ca02c", "gogi_l1": "#9467bd", "llmlingua2": "#8c564b", "head": "#bcbd22",
           "tail": "#ff7f0e", "full": "#000000", "nochain": "#000000"}
-
-
-def _open(path: Path):
-    import gzip
-
-    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")
 
 
 @dataclass
@@ -58,20 +52,15 @@ class Run:
         if not path.exists():
             path = folder / (RESULTS + ".gz")
         records, rejected, seen = [], {}, set()
-        with _open(path) as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:  # a line cut short by a crash
-                    continue
-                key = (rec["source"], rec["row"])
-                if key in seen:
-                    continue
-                seen.add(key)
-                if rec["status"] == "ok":
-                    records.append(rec)
-                else:
-                    rejected[rec.get("reason", "?")] = rejected.get(rec.get("reason", "?"), 0) + 1
+        for rec in read_records(path):
+            key = (rec["source"], rec["row"])
+            if key in seen:
+                continue
+            seen.add(key)
+            if rec["status"] == "ok":
+                records.append(rec)
+            else:
+                rejected[rec.get("reason", "?")] = rejected.get(rec.get("reason", "?"), 0) + 1
         records.sort(key=lambda r: (r["source"], r["row"]))
         return cls(folder, meta, records, rejected)
 

@@ -13,10 +13,11 @@ import torch
 
 from mist_core import Example, MistScorer, prune, wrap_model
 from mist_core.answers import answer_correct, intermediate_results, math_spans, normalize_math
-from mist_core.evaluation import (NOCHAIN, ChainProfile, answer_passes, bootstrap_indices,
-                                  ci_mean, ci_ratio, compressed_input, evaluate_chain,
-                                  exact_agreement, pack_mask, positional_scores, spearman,
-                                  stop_tokens, top_overlap, unpack_mask)
+from mist_core.evaluation import (NOCHAIN, answer_passes, compressed_input, evaluate_chain,
+                                  positional_scores, stop_tokens)
+from mist_core.retention import ChainProfile, pack_mask, unpack_mask
+from mist_core.stats import (bootstrap_indices, ci_mean, ci_ratio, exact_agreement, spearman,
+                             top_overlap)
 from mist_core.scorer import shared_prefix
 from mist_core.taxonomy import TYPES, token_types
 

@@ -1,0 +1,35 @@
+"""The evaluation's stored results: their file names, the methods and their variants' names,
+and the one reader of results.jsonl. Light on purpose (no model, no Ray): the report reads
+stored results with it alone."""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Iterator
+
+from mist_core.formats import budget_label
+
+MIST_METHODS = ("mist", "necessity", "sufficiency")  # one MIST scoring gives all three
+BASELINES = ("uniform", "perplexity", "attention_rollout", "h2o", "gogi_l1", "llmlingua2")
+POSITIONAL = ("head", "tail")  # keep the first / last tokens
+ENDS = ("full", "nochain")  # the whole chain / no chain
+ALL_METHODS = MIST_METHODS + BASELINES + POSITIONAL + ENDS
+RESULTS, RUN = "results.jsonl", "run.json"
+
+
+def variant_name(method: str, budget: float | None) -> str:
+    return method if budget is None else f"{method}@{budget_label(budget)}"
+
+
+def read_records(path: str | Path) -> Iterator[dict]:
+    """The records of a results.jsonl, or of its gzipped copy; a line cut short by a crash
+    is skipped (the rerun that resumed wrote the record again)."""
+    path = Path(path)
+    opened = gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")
+    with opened as f:
+        for line in f:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
