@@ -93,14 +93,22 @@ def _select(unit_scores: np.ndarray, unit_sizes: np.ndarray, forced: np.ndarray,
 def prune(example: Example, scored, budgets: Sequence[float] = (0.5,), unit: str = "token",
           keep_digits: bool = False) -> list[Compressed]:
     """For each budget γ keep ⌈γ·T⌉ chain tokens with the highest scores, in original order.
+    `scored`: a ScoredChain (its `scores` and `chain_offsets`); prune_scores takes the two
+    arrays themselves.
 
     unit="word" ranks whole words (the mean of their pieces' scores) and keeps as many as
     fit the same token budget, so a word is never cut. keep_digits keeps every token with
     a digit whatever its score (it may then exceed the budget)."""
+    return prune_scores(example, scored.scores, scored.chain_offsets, budgets, unit, keep_digits)
+
+
+def prune_scores(example: Example, scores, offsets, budgets: Sequence[float] = (0.5,),
+                 unit: str = "token", keep_digits: bool = False) -> list[Compressed]:
+    """prune() on per-token `scores` [T] and the chain tokens' character `offsets` [T, 2]."""
     if unit not in ("token", "word"):
         raise ValueError(f"unit must be 'token' or 'word', not {unit!r}")
-    scores = np.asarray(scored.scores, dtype=np.float64)
-    offsets = np.asarray(scored.chain_offsets)
+    scores = np.asarray(scores, dtype=np.float64)
+    offsets = np.asarray(offsets).reshape(-1, 2)
     T = len(scores)
     cot = example.cot
     pieces = token_pieces(cot, offsets)

@@ -174,7 +174,7 @@ class EvalActor:
 
     def _variants(self, enc, s, scored: dict) -> dict:
         """name -> kept mask for every method and budget, plus the two ends."""
-        from mist_core import prune
+        from mist_core.prune import prune_scores
         from mist_core.evaluation import NOCHAIN, positional_scores
         from mist_core.scorer import combine
 
@@ -189,8 +189,8 @@ class EvalActor:
             elif name == "nochain":
                 out[name] = NOCHAIN
             elif name in scores:
-                view = SimpleNamespace(scores=scores[name], chain_offsets=enc.chain_offsets)
-                for c in prune(enc.example, view, budgets=self.cfg.budgets, unit=self.cfg.unit):
+                for c in prune_scores(enc.example, scores[name], enc.chain_offsets,
+                                      self.cfg.budgets, self.cfg.unit):
                     out[variant_name(name, c.budget)] = c.kept
         return out
 

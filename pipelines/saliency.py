@@ -14,7 +14,6 @@ import html
 import shlex
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -62,8 +61,7 @@ def chain_view(lm, ex, budgets: list[float], alpha: float = 0.6, unit: str = "to
     T = len(s.scores)
     shade = {k: (np.argsort(np.argsort(v, kind="stable"), kind="stable") / max(T - 1, 1))
              for k, v in raw.items()}
-    view = SimpleNamespace(scores=s.scores, chain_offsets=s.chain_offsets)
-    kept = {c.budget: c.kept for c in prune(ex, view, budgets=budgets, unit=unit)}
+    kept = {c.budget: c.kept for c in prune(ex, s, budgets=budgets, unit=unit)}
     return {"pieces": token_pieces(ex.cot, s.chain_offsets), "raw": raw, "shade": shade,
             "kept": kept, "example": ex, "model": lm.name, "alpha": alpha, "unit": unit}
 

@@ -12,16 +12,14 @@ import json
 import logging
 import time
 import traceback
-from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
 
 from mist_core import (Example, InvalidExample, NonFiniteScores, get_adapter, get_scorer,
-                       load_model, prune)
-from mist_core import reasons
+                       load_model, reasons)
 from mist_core.formats import extra_name, value_kind
-from mist_core.prune import token_pieces
+from mist_core.prune import prune_scores, token_pieces
 from mist_core.templates import Encoded
 
 from . import faults, placement
@@ -423,10 +421,8 @@ def prune_batch(batch: pa.Table, *, budgets: list[float], unit: str, keep_digits
                 raise RuntimeError(f"{row['source']} row {row['row']} reached pruning unscored")
             ex = Example(row["question"], row["cot"], row["answer"], id=row["id"])
             offsets = np.asarray(row["chain_offsets"], np.int64).reshape(-1, 2)
-            scored = SimpleNamespace(scores=np.asarray(row["scores"], np.float64),
-                                     chain_offsets=offsets)
             try:
-                chains = prune(ex, scored, budgets=budgets, unit=unit, keep_digits=keep_digits)
+                chains = prune_scores(ex, row["scores"], offsets, budgets, unit, keep_digits)
             except Exception as e:
                 _reject(row, PRUNE_ERROR, f"{type(e).__name__}: {e}")
                 row["raw"] = json.dumps({"id": row["id"], "question": row["question"],
