@@ -232,10 +232,7 @@ def build(cfg: JobConfig, inputs: list[Input], plan: Plan, existing: Existing,
     # stage into the next actor stage when both ask for the same resources (CPU actors).
     ds = read_raw(inputs, plan.row_limits, memory=TASK_MEMORY).map_batches(
         stages.prepare_batch, batch_format="pyarrow", memory=TASK_MEMORY,
-        fn_kwargs={"adapter": cfg.adapter, "columns": cfg.columns, "model": cfg.model,
-                   "template": cfg.template, "trust_remote_code": cfg.trust_remote_code,
-                   "done_ids": existing.done_ids,
-                   "dup_rows": plan.dup_rows})
+        fn_kwargs={"cfg": cfg, "done_ids": existing.done_ids, "dup_rows": plan.dup_rows})
     if plan.to_score:  # no actors (no GPUs woken up) when there is nothing new
         lo, hi = cfg.actors
         pool = ray.data.ActorPoolStrategy(size=lo) if lo == hi else \
@@ -246,17 +243,9 @@ def build(cfg: JobConfig, inputs: list[Input], plan: Plan, existing: Existing,
         ds = ds.map_batches(
             stages.ScoreActor, compute=pool, batch_size=cfg.batch_size * CALL_BATCHES,
             batch_format="pyarrow",
-            fn_constructor_kwargs={
-                "model": cfg.model, "method": cfg.method, "dtype": cfg.dtype,
-                "device": device, "alpha": cfg.alpha, "stats": stats,
-                "batch_tokens": cfg.batch_tokens, "batch_size": cfg.batch_size,
-                "max_memory": cfg.max_memory,
-                "template": cfg.template, "threads": max(1, int(cfg.cpus_per_actor)),
-                "trust_remote_code": cfg.trust_remote_code},
+            fn_constructor_args=(cfg,), fn_constructor_kwargs={"device": device, "stats": stats},
             **resources)
-    return ds.map_batches(stages.prune_batch, batch_format="pyarrow", fn_kwargs={
-        "budgets": cfg.budgets, "unit": cfg.unit, "keep_digits": cfg.keep_digits,
-        "with_scores": cfg.scores})
+    return ds.map_batches(stages.prune_batch, batch_format="pyarrow", fn_kwargs={"cfg": cfg})
 
 
 def make_manifest(cfg: JobConfig, *, run_id: str, started: str, inputs: list[Input],

@@ -23,6 +23,7 @@ from mist_core.prune import prune_scores, token_pieces
 from mist_core.templates import Encoded
 
 from . import faults, placement
+from .config import JobConfig
 from .errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -217,14 +218,15 @@ def template_for(model: str, template: str, trust_remote_code: bool = False):
     return tmpl
 
 
-def prepare_batch(batch: pa.Table, *, adapter: str, columns: dict, model: str, template: str,
-                  done_ids: frozenset, dup_rows: frozenset,
-                  trust_remote_code: bool = False) -> pa.Table:
+def prepare_batch(batch: pa.Table, *, cfg: JobConfig, done_ids: frozenset,
+                  dup_rows: frozenset) -> pa.Table:
     """Validate and tokenize: raw rows -> examples ready for the scorer, or rejects/skips.
-    A row gives one stream row per example (several for openr1), or one reject.
-    `done_ids`: ids already in the output (refresh); `dup_rows`: (source, row, index of the
-    example in its row) of examples whose id appeared earlier in the input."""
-    tmpl = template_for(model, template, trust_remote_code)
+    A row gives one stream row per example (several for openr1), or one reject. Settings:
+    cfg's adapter, columns, model, template, trust_remote_code. `done_ids`: ids already in
+    the output (refresh); `dup_rows`: (source, row, index of the example in its row) of
+    examples whose id appeared earlier in the input."""
+    adapter, columns = cfg.adapter, cfg.columns
+    tmpl = template_for(cfg.model, cfg.template, cfg.trust_remote_code)
     out = []
     for rec in batch.to_pylist():
         where = {"input": rec["input"], "source": rec["source"], "row": rec["row"]}
@@ -287,14 +289,15 @@ class ScoreActor:
     of rows; the scorer groups each batch by length into forward passes of at most
     `batch_tokens` padded tokens, so short chains are not padded to long ones."""
 
-    def __init__(self, *, model: str, method: str, dtype: str, device: str, alpha: float,
-                 batch_tokens: int | str, batch_size: int, template: str,
-                 threads: int | None = None, trust_remote_code: bool = False,
-                 max_memory: int | None = None, stats=None):
+    def __init__(self, cfg: JobConfig, *, device: str, stats=None):
+        """Settings: cfg's model, method, dtype, alpha, template, batch_size, batch_tokens,
+        max_memory, trust_remote_code, cpus_per_actor (torch's threads on a CPU);
+        `device`: placement.resolve_device's; `stats`: the placement.ActorStats to report to."""
         import torch
 
-        if device == "cpu" and threads:
-            torch.set_num_threads(threads)
+        model, method, dtype = cfg.model, cfg.method, cfg.dtype
+        if device == "cpu":
+            torch.set_num_threads(max(1, int(cfg.cpus_per_actor)))
         self.stats, self.place = stats, placement.here() | {"device": device}
         if device == "cuda" and not torch.cuda.is_available():  # ends the run, exit status 2
             raise ModelLoadError(
@@ -306,14 +309,14 @@ class ScoreActor:
         t = time.perf_counter()
         try:
             self.lm = load_model(model, dtype=dtype, device=device,
-                                 trust_remote_code=trust_remote_code)
+                                 trust_remote_code=cfg.trust_remote_code)
         except Exception as e:  # the driver turns this into one line, with no retry
             raise ModelLoadError(f"a scoring actor could not load --model {model}: "
                                  f"{type(e).__name__}: {e}") from e
-        kwargs = dict(template=template, max_tokens=batch_tokens, max_batch=batch_size,
-                      max_memory="auto" if max_memory is None else max_memory)
+        kwargs = dict(template=cfg.template, max_tokens=cfg.batch_tokens, max_batch=cfg.batch_size,
+                      max_memory="auto" if cfg.max_memory is None else cfg.max_memory)
         if method == "mist":
-            kwargs["alpha"] = alpha
+            kwargs["alpha"] = cfg.alpha
         self.scorer = get_scorer(method, self.lm, **kwargs)
         self.scored, self.busy, self.batches = 0, 0.0, 0
         # Of the chains scored, those the scorer rejected; when this process began scoring
@@ -410,10 +413,10 @@ class ScoreActor:
         return pa.Table.from_pylist(rows, schema=STREAM_SCHEMA)
 
 
-def prune_batch(batch: pa.Table, *, budgets: list[float], unit: str, keep_digits: bool,
-                with_scores: bool) -> pa.Table:
+def prune_batch(batch: pa.Table, *, cfg: JobConfig) -> pa.Table:
     """Scores -> one compressed chain per budget. Score arrays travel on only when the
-    scores/ output was asked for."""
+    scores/ output was asked for. Settings: cfg's budgets, unit, keep_digits, scores."""
+    budgets, unit, keep_digits, with_scores = cfg.budgets, cfg.unit, cfg.keep_digits, cfg.scores
     rows = batch.to_pylist()
     for row in rows:
         if row["status"] == OK:

@@ -344,8 +344,8 @@ def raw_batch(lines: list[bytes]) -> pa.Table:
     ("generic", {}, [1, 2], "not_an_object", None),
 ])
 def test_rejects_keep_the_id_and_say_why(model_dir, adapter, columns, row, reason, want_id):
-    [rej] = prepare_batch(raw_batch([json.dumps(row).encode()]), adapter=adapter,
-                          columns=columns, model=str(model_dir), template="auto",
-                          done_ids=frozenset(), dup_rows=frozenset()).to_pylist()
+    cfg = JobConfig(adapter=adapter, columns=columns, model=str(model_dir))
+    [rej] = prepare_batch(raw_batch([json.dumps(row).encode()]), cfg=cfg, done_ids=frozenset(),
+                          dup_rows=frozenset()).to_pylist()
     assert (rej["status"], rej["reason"], rej["id"]) == (REJECT, reason, want_id)
     assert rej["detail"].strip() and rej["raw"]

@@ -20,7 +20,7 @@ import pytest
 
 from mist_core.demo import demo_corpus
 from pipelines import compress, placement, sources, stages, storage
-from pipelines.config import ConfigError, parse_args
+from pipelines.config import ConfigError, JobConfig, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 LINE = re.compile(r"\[progress\] (\d+)/(\d+) chains scored \((\d+)%\), ([\d.e+-]+) chains/s, "
@@ -84,8 +84,8 @@ def stream_batch(model: str, n: int) -> pa.Table:
     raw = pa.table({"input": [0] * n, "source": ["mem"] * n, "row": list(range(1, n + 1)),
                     "raw": [json.dumps(r).encode() for r in rows], "error": [None] * n},
                    schema=sources.RAW_SCHEMA)
-    return stages.prepare_batch(raw, adapter="generic", columns={}, model=model,
-                                template="auto", done_ids=frozenset(), dup_rows=frozenset())
+    return stages.prepare_batch(raw, cfg=JobConfig(model=model), done_ids=frozenset(),
+                                dup_rows=frozenset())
 
 
 def test_scoring_actor_reports_during_a_call(model_dir, monkeypatch):
@@ -94,9 +94,8 @@ def test_scoring_actor_reports_during_a_call(model_dir, monkeypatch):
     them."""
     monkeypatch.setattr(placement, "REPORT_S", 0.0)
     stats = FakeStats()
-    actor = stages.ScoreActor(model=str(model_dir), method="mist", dtype="float32",
-                              device="cpu", alpha=0.6, batch_tokens="auto", batch_size=2,
-                              template="auto", threads=1, stats=stats)
+    actor = stages.ScoreActor(JobConfig(model=str(model_dir), batch_size=2), device="cpu",
+                              stats=stats)
     batch = stream_batch(str(model_dir), 12)
     before = len(stats.calls)
     out = actor(batch).to_pylist()

@@ -69,9 +69,8 @@ def test_scoring_actor_passes_the_flag_to_the_model_loader(monkeypatch):
     monkeypatch.setattr(stages, "load_model", fake_load)
     for flag in (False, True):
         with pytest.raises(RuntimeError):
-            stages.ScoreActor(model="m", method="mist", dtype="float32", device="cpu", alpha=0.6,
-                              batch_tokens=64, batch_size=2, template="auto",
-                              trust_remote_code=flag)
+            stages.ScoreActor(JobConfig(model="m", batch_tokens=64, batch_size=2,
+                                        trust_remote_code=flag), device="cpu")
     assert seen == [False, True]
 
 
