@@ -367,11 +367,9 @@ def run(cfg: JobConfig) -> dict:
     # The tally lets a write task stop the run as soon as the budget is spent. A run with
     # no rows to score, or a budget nothing can exceed, needs no actor: the end check does.
     tally = start_tally() if plan.to_score and budget.allowed < plan.examples else None
-    sink = OutputSink(fs=out.fs, root=out.root, run_id=run_id, method=cfg.method,
-                      model=model_name, budgets=cfg.budgets, extras=plan.extras,
-                      sft_format=cfg.sft_format, sft_mix=cfg.sft_mix, seed=cfg.seed,
-                      with_scores=cfg.scores, known_rejects=existing.rejects,
-                      rows_per_file=cfg.rows_per_file, budget=budget, tally=tally)
+    sink = OutputSink(cfg, fs=out.fs, root=out.root, run_id=run_id, model=model_name,
+                      extras=plan.extras, known_rejects=existing.rejects, budget=budget,
+                      tally=tally)
     schema = data_schema(plan.extras)
     conformed = out.conform(schema)  # before the new files: data/ never holds three schemas
     if conformed:

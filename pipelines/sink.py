@@ -31,6 +31,7 @@ from mist_core.reasons import FAILURE_REASONS
 
 from . import storage
 from .budget import ErrorBudget
+from .config import JobConfig
 from .errors import ErrorBudgetExceeded
 from .stages import OK, REJECT, SKIP
 
@@ -75,17 +76,19 @@ class WriteStats:
 
 
 class OutputSink(Datasink):
-    def __init__(self, *, fs, root: str, run_id: str, method: str, model: str,
-                 budgets: list[float], extras: pa.Schema, sft_format: str, sft_mix: str,
-                 seed: int, with_scores: bool, known_rejects: frozenset, rows_per_file: int = 512,
-                 budget: ErrorBudget | None = None, tally=None):
+    def __init__(self, cfg: JobConfig, *, fs, root: str, run_id: str, model: str,
+                 extras: pa.Schema, known_rejects: frozenset, budget: ErrorBudget | None = None,
+                 tally=None):
+        """Settings: cfg's method, budgets, sft_format, sft_mix, seed, scores, rows_per_file.
+        `model`: the model's name as the rows record it; `extras`: the extra columns' types
+        (the plan's); `known_rejects`: already in rejects/ from an earlier run."""
         self.fs, self.root, self.run_id = fs, root, run_id
-        self.method, self.model, self.budgets = method, model, budgets
+        self.method, self.model, self.budgets = cfg.method, model, cfg.budgets
         self.extras, self.schema = extras, data_schema(extras)
-        self.sft_format, self.sft_mix, self.seed = sft_format, sft_mix, seed
-        self.with_scores = with_scores
-        self.known_rejects = known_rejects  # already in rejects/ from an earlier run
-        self.rows_per_file = rows_per_file
+        self.sft_format, self.sft_mix, self.seed = cfg.sft_format, cfg.sft_mix, cfg.seed
+        self.with_scores = cfg.scores
+        self.known_rejects = known_rejects
+        self.rows_per_file = cfg.rows_per_file
         self.budget, self.tally = budget, tally  # tally: an ErrorTally actor, or None
         self.stats = WriteStats()
 
