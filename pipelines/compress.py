@@ -8,18 +8,13 @@ end, and the manifest is written only if they agree."""
 from __future__ import annotations
 
 import datetime as dt
-import importlib.metadata
 import json
 import logging
-import math
-import os
-import platform
 import sys
 import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 
 import pyarrow as pa
 import ray
@@ -28,7 +23,7 @@ from mist_core import reasons
 from mist_core.formats import (DATA_COLUMNS, REJECT_SCHEMA, SCORES_SCHEMA, budget_label,
                                data_schema, fits, kinds_type, sft_budgets, sft_format_name)
 
-from . import errors, faults, placement, stages, storage
+from . import errors, placement, runtime, stages, storage
 from .config import JobConfig, parse_args
 from .errors import AccountingError, ConfigError, ErrorBudgetExceeded, causes
 from .output import Existing, Output
@@ -37,7 +32,6 @@ from .sink import OutputSink, WriteStats
 from .sources import Input, check_submitted_paths, read_raw, resolve_inputs
 
 log = logging.getLogger("pipelines.compress")
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 TASK_MEMORY = 512 * 1024**2  # bytes per read/tokenize task: a tokenizer and a block of rows
 # Rows per scoring call, in forward batches: a call packs its rows by length into forward
 # passes, and a larger call packs better (SmolLM2 on 2 CPUs: 1.46 chains/s with calls of 32
@@ -65,22 +59,6 @@ class Plan:
 
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def init_ray(cfg: JobConfig) -> None:
-    if ray.is_initialized():
-        return
-    address = cfg.address or os.environ.get("RAY_ADDRESS")
-    if address:  # a cluster (ray job submit sets RAY_ADDRESS for the job's driver)
-        ray.init(address=address)
-    else:  # a new local Ray for this run, never a cluster left running on this machine
-        path = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
-        # Logical CPUs: the scoring actors' share plus one, so that reading, tokenizing and
-        # writing can always run (actors holding every CPU would starve them: a hang).
-        cpus = max(os.cpu_count() or 1, math.ceil(cfg.actors[1] * cfg.cpus_per_actor) + 1)
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": path,  # workers import this checkout
-                                           **faults.forwarded()}})
 
 
 def extras_schema(kinds: dict[str, set], existing: Existing) -> pa.Schema:
@@ -213,16 +191,6 @@ def reconcile(cfg: JobConfig, plan: Plan, stats: WriteStats, existing: Existing,
                               + "\n  ".join(problems))
 
 
-def versions() -> dict:
-    out = {"python": platform.python_version()}
-    for dist in ("mist-cot", "ray", "torch", "transformers", "pyarrow", "datasets", "numpy"):
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
-
-
 def build(cfg: JobConfig, inputs: list[Input], plan: Plan, existing: Existing,
           gpus: float, device: str, stats=None) -> ray.data.Dataset:
     """The streaming pipeline, up to (not including) the write. `device`: the scoring
@@ -234,17 +202,11 @@ def build(cfg: JobConfig, inputs: list[Input], plan: Plan, existing: Existing,
         stages.prepare_batch, batch_format="pyarrow", memory=TASK_MEMORY,
         fn_kwargs={"cfg": cfg, "done_ids": existing.done_ids, "dup_rows": plan.dup_rows})
     if plan.to_score:  # no actors (no GPUs woken up) when there is nothing new
-        lo, hi = cfg.actors
-        pool = ray.data.ActorPoolStrategy(size=lo) if lo == hi else \
-            ray.data.ActorPoolStrategy(min_size=lo, max_size=hi)
-        resources = {"num_cpus": cfg.cpus_per_actor}
-        if gpus > 0:
-            resources["num_gpus"] = gpus
         ds = ds.map_batches(
-            stages.ScoreActor, compute=pool, batch_size=cfg.batch_size * CALL_BATCHES,
+            stages.ScoreActor, compute=runtime.actor_pool(cfg.actors), batch_size=cfg.batch_size * CALL_BATCHES,
             batch_format="pyarrow",
             fn_constructor_args=(cfg,), fn_constructor_kwargs={"device": device, "stats": stats},
-            **resources)
+            **runtime.actor_resources(cfg.cpus_per_actor, gpus))
     return ds.map_batches(stages.prune_batch, batch_format="pyarrow", fn_kwargs={"cfg": cfg})
 
 
@@ -290,7 +252,7 @@ def make_manifest(cfg: JobConfig, *, run_id: str, started: str, inputs: list[Inp
                   "gpus_per_actor": gpus,
                   "cpus_per_actor": cfg.cpus_per_actor, "actors": list(cfg.actors)},
         "actors": actors,  # where each scoring actor ran and what it did (placement)
-        "versions": versions(),
+        "versions": runtime.versions(),
         "counts": counts, "totals": totals, "timings": timings, "throughput": throughput,
         "data_schema": [{"name": f.name, "type": str(f.type)} for f in data_schema(plan.extras)],
         "runs": runs,
@@ -339,7 +301,7 @@ def run(cfg: JobConfig) -> dict:
         stages.template_for(cfg.model, cfg.template, cfg.trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot load the tokenizer of --model {cfg.model}: {e}") from None
-    init_ray(cfg)
+    runtime.init_ray(cfg.address, cfg.actors, cfg.cpus_per_actor)
 
     if cfg.mode == "overwrite":
         out.clear()
@@ -353,9 +315,7 @@ def run(cfg: JobConfig) -> dict:
     log.info("plan: %d rows read, %d to score, %d already in the output, %d invalid, "
              "%d repeated ids, %d examples in all (%.1fs)", plan.read, plan.to_score, plan.done,
              plan.invalid, plan.duplicates, plan.examples, plan.seconds)
-    gpus = cfg.gpus_per_actor
-    if gpus is None:
-        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    gpus = runtime.gpus_per_actor(cfg.gpus_per_actor)
     device = placement.resolve_device(cfg.device, gpus)  # --device cuda without GPUs: exit 2
     if gpus > 0 and plan.to_score and not ray.cluster_resources().get("GPU", 0):
         log.info("no GPU in the cluster yet: the scoring actors wait for the autoscaler to "

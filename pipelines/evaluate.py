@@ -34,7 +34,7 @@ from mist_core.examples import ADAPTERS
 from mist_core.taxonomy import TYPES
 from mist_core.templates import TEMPLATES
 
-from . import errors, stages
+from . import errors, runtime, stages
 from .config import ConfigError, parse_actors, parse_columns, parse_floats
 from .results import ALL_METHODS, BASELINES, POSITIONAL, RESULTS, RUN, read_records, variant_name
 from .sources import read_raw, resolve_inputs
@@ -282,16 +282,8 @@ def load_done(out: Path, cfg: EvalConfig) -> set:
     return {(rec["source"], rec["row"]) for rec in read_records(results)}
 
 
-def versions() -> dict:
-    from .compress import versions as job_versions
-
-    return job_versions()
-
-
 def run(cfg: EvalConfig, argv: list[str]) -> dict:
     from mist_core.models import resolve
-
-    from .compress import init_ray
 
     t0 = time.perf_counter()
     out = Path(cfg.output)
@@ -303,7 +295,7 @@ def run(cfg: EvalConfig, argv: list[str]) -> dict:
     _, model_name = resolve(cfg.model)
     stages.template_for(cfg.model, cfg.template)  # a bad --model or template fails here
     done = load_done(out, cfg)
-    init_ray(cfg)
+    runtime.init_ray(cfg.address, cfg.actors, cfg.cpus_per_actor)
 
     plan = read_raw(inputs).map_batches(plan_rows, batch_format="pyarrow",
                                         fn_kwargs={"adapter": cfg.adapter, "columns": cfg.columns})
@@ -314,20 +306,14 @@ def run(cfg: EvalConfig, argv: list[str]) -> dict:
             "command": "python -m pipelines.evaluate " + shlex.join(argv),
             "corpus_rows": plan.num_rows, "corpus_valid": n_valid, "sample": len(wanted),
             "exact_rows": sum(wanted.values()), "token_types": list(TYPES),
-            "versions": versions()}
+            "versions": runtime.versions()}
     log.info("%d rows read, %d valid; sample %d (%d for exact interventions); %d to evaluate",
              plan.num_rows, n_valid, len(wanted), meta["exact_rows"], len(todo))
     (out / RUN).write_text(json.dumps({**meta, "status": "running"}, indent=2) + "\n")
 
-    gpus = cfg.gpus_per_actor
-    if gpus is None:
-        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    gpus = runtime.gpus_per_actor(cfg.gpus_per_actor)
     n, t_run = 0, time.perf_counter()
     if todo:
-        lo, hi = cfg.actors
-        pool = ray.data.ActorPoolStrategy(size=lo) if lo == hi else \
-            ray.data.ActorPoolStrategy(min_size=lo, max_size=hi)
-        resources = {"num_cpus": cfg.cpus_per_actor, **({"num_gpus": gpus} if gpus else {})}
         rows = read_raw(inputs).map_batches(select_rows, batch_format="pyarrow",
                                             fn_kwargs={"wanted": todo})
         rows = pa.concat_tables(list(rows.iter_batches(batch_format="pyarrow", batch_size=None)))
@@ -335,10 +321,10 @@ def run(cfg: EvalConfig, argv: list[str]) -> dict:
         # block is done, so small blocks are what lets each record reach the file at once.
         bs = cfg.batch_size
         ds = ray.data.from_arrow([rows.slice(i, bs) for i in range(0, rows.num_rows, bs)])
-        ds = ds.map_batches(EvalActor, compute=pool, batch_size=cfg.batch_size,
+        ds = ds.map_batches(EvalActor, compute=runtime.actor_pool(cfg.actors), batch_size=cfg.batch_size,
                             batch_format="pyarrow", fn_constructor_kwargs={
                                 "cfg": asdict(cfg), "device": "cuda" if gpus else "cpu"},
-                            **resources)
+                            **runtime.actor_resources(cfg.cpus_per_actor, gpus))
         with (out / RESULTS).open("a", encoding="utf-8") as f:
             for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
                 for line in batch.column("record").to_pylist():
