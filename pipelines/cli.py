@@ -1,5 +1,5 @@
 """The `mist` console script: `mist compress …` runs the compression job; eval, bench and
-soak run the other entry points."""
+soak run the other entry points; generate, train and solve are the distillation loop."""
 from __future__ import annotations
 
 import sys
@@ -15,7 +15,18 @@ commands:
   soak       many chains through the job with memory sampled (docs/results/reliability.md)
   model-path print the local folder (or hub id) of a model spec that from_pretrained and
              trainers load, e.g. `mist model-path smollm2-135m-instruct` (converts it once)
+
+the distillation loop (README: generate, compress, train, solve):
+  generate   sample k chains per question with a model, keep the correct ones as a corpus
+             that `mist compress --adapter generic` reads
+  train      fine-tune a model on a compression output's sft/ records (TRL, full or LoRA;
+             --workers N through Ray Train) and save it as a model folder
+  solve      answer a test set greedily under each budget γ: accuracy, chain tokens and
+             achieved compression with bootstrap intervals
 """
+
+
+LOOP = ("generate", "train", "solve")  # the distillation loop's commands, one module each
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         from .evaluate import main as evaluate
 
         return evaluate(rest, prog="mist eval")
+    if command in LOOP:
+        from importlib import import_module
+
+        return import_module(f".{command}", __package__).main(rest, prog=f"mist {command}")
     if command == "model-path":
         return model_path(rest)
     if command in ("bench", "soak"):

@@ -107,12 +107,15 @@ def check_python(module: str, argv: list[str]) -> None:
         from pipelines.evaluate import parse_args
 
         parse_args(argv, "python -m pipelines.evaluate")
+    elif module in LOOP_MODULES and "--help" not in argv:  # settings checked as well
+        importlib.import_module(module).parse_args(argv, module)
     else:
         parse_only(importlib.import_module(module).main, argv)
 
 
+LOOP_MODULES = ("pipelines.generate", "pipelines.train", "pipelines.solve")
 MIST = {"compress": "pipelines.compress", "eval": "pipelines.evaluate", "bench": "pipelines.bench",
-        "soak": "pipelines.soak"}
+        "soak": "pipelines.soak", **{m.split(".")[1]: m for m in LOOP_MODULES}}
 OTHER_PROGRAMS = {"ray", "source", "deactivate", "export"}  # the README says what each does
 
 

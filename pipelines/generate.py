@@ -1,0 +1,285 @@
+"""`mist generate`: sample k chains per question of a question set with a model, keep those
+whose answer is right, and write them as a corpus the compression job reads as is
+(`mist compress --input OUT --adapter generic`). The first step of the distillation loop:
+generate, compress, train, solve.
+
+The questions are read with the compression job's readers and adapters (a GSM8K file with
+--adapter gsm8k, any JSONL/parquet with question and answer columns with the default generic
+adapter) and sampled in a Ray Data actor pool, one model replica per actor, a GPU each where
+the cluster has GPUs (through vLLM and ray.data.llm where vLLM is installed, else
+transformers: --engine). OUT gets:
+  chains.jsonl      the kept chains: id (<question id>#<sample>), question, cot, answer (the
+                    gold answer), source_id; or chains.parquet with --output-format parquet
+  _rejected.jsonl   the samples left out, each with its reason: wrong_answer, no_answer (no
+                    answer line, number or \\boxed{}: generation.read_answer), unfinished
+                    (cut at --max-new-tokens), empty_chain, duplicate_chain (the same chain
+                    as a kept sample of its question)
+  _manifest.json    settings, counts (questions read and skipped, samples, kept, rejected by
+                    reason), timings
+Files starting with `_` are not read as input by the compression job. A rerun replaces
+the three files."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from collections import Counter
+
+import pyarrow as pa
+
+from mist_core.errors import MissingDependency
+
+from . import loop, runtime, storage
+from .errors import ConfigError
+from .sources import check_submitted_paths
+
+SAMPLE_SCHEMA = pa.schema([
+    ("id", pa.string()), ("source_id", pa.string()), ("sample", pa.int64()),
+    ("question", pa.string()), ("cot", pa.string()), ("answer", pa.string()),
+    ("prediction", pa.string()), ("answer_line", pa.bool_()), ("correct", pa.bool_()),
+    ("tokens", pa.int64()), ("finished", pa.bool_()),
+])
+CORPUS_COLUMNS = ("id", "question", "cot", "answer", "source_id")
+
+
+class SampleActor:
+    """One model replica; samples k chains for each question of a batch."""
+
+    def __init__(self, *, model: str, dtype: str, device: str, threads: int | None, k: int,
+                 style: str, temperature: float, top_p: float, max_new_tokens: int, seed: int,
+                 batch_size: int):
+        self.lm = loop.load_lm(model, dtype, device, threads)
+        self.kw = dict(k=k, style=style, temperature=temperature, top_p=top_p,
+                       max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        from mist_core.generation import sample_chains
+
+        return pa.Table.from_pylist(sample_chains(self.lm, batch.to_pylist(), **self.kw),
+                                    schema=SAMPLE_SCHEMA)
+
+
+# ---------------------------------------------------------------- vLLM (GPU clusters)
+# Where vLLM is installed and the actors get GPUs, Ray Data's LLM processor runs the
+# sampling (continuous batching, paged attention): many times transformers' throughput on
+# a GPU. Each (question, sample) is one request with its own seed, built from the same
+# prompt tokens as the transformers path; the judging is the same (sample_record).
+
+def choose_engine(engine: str, gpus: float) -> str:
+    """--engine auto: vllm where it is installed and the actors get GPUs, else transformers."""
+    have_vllm = importlib.util.find_spec("vllm") is not None
+    if engine == "auto":
+        return "vllm" if have_vllm and gpus > 0 else "transformers"
+    if engine == "vllm" and not have_vllm:
+        raise MissingDependency("--engine vllm needs vLLM: pip install vllm")
+    if engine == "vllm" and gpus <= 0:
+        raise ConfigError("--engine vllm needs a GPU per actor (--gpus-per-actor, or a cluster "
+                          "with GPUs)")
+    return engine
+
+
+def vllm_requests(questions: list[dict], tokenizer, *, k: int, seed: int) -> list[dict]:
+    """One row per (question, sample): the question row, the sample's index and seed, and
+    its prompt as text and token ids (generation.prompt_text's, encoded as generate does)."""
+    from mist_core.generation import encode_prompt, render_prompt, row_seed, user_turn
+
+    out = []
+    for q in questions:
+        prompt = render_prompt(tokenizer, user_turn(q["question"]))
+        ids = encode_prompt(tokenizer, prompt)
+        out += [{**q, "sample": i, "prompt": prompt, "tokenized_prompt": ids,
+                 "seed": row_seed(seed, prompt, i) % 2**31} for i in range(k)]
+    return out
+
+
+def vllm_request(row: dict, *, temperature: float, top_p: float, max_new_tokens: int) -> dict:
+    """The processor's input row (its other columns reach vllm_sample unchanged)."""
+    return {"prompt": row["prompt"], "tokenized_prompt": row["tokenized_prompt"],
+            "sampling_params": {"temperature": temperature, "top_p": top_p,
+                                "max_tokens": max_new_tokens, "seed": int(row["seed"])}}
+
+
+def vllm_sample(row: dict, *, style: str, max_new_tokens: int) -> dict:
+    """The processor's output row as a judged sample. vLLM stops at the model's
+    end-of-sequence token, so a completion shorter than max_new_tokens finished."""
+    from mist_core.generation import Completion, sample_record
+
+    n = int(row["num_generated_tokens"])
+    return sample_record(row, int(row["sample"]),
+                         Completion(row["generated_text"], n, n < max_new_tokens), style)
+
+
+def vllm_samples(questions: list[dict], args: argparse.Namespace, style: str):
+    from functools import partial
+
+    import ray
+    from ray.data.llm import build_processor, vLLMEngineProcessorConfig
+    from transformers import AutoTokenizer
+
+    from mist_core.models import model_path
+
+    path = model_path(args.model)
+    requests = vllm_requests(questions, AutoTokenizer.from_pretrained(path), k=args.k,
+                             seed=args.seed)
+    config = vLLMEngineProcessorConfig(
+        model_source=path, engine_kwargs={"dtype": args.dtype}, concurrency=tuple(args.actors),
+        batch_size=args.batch_size * args.k,
+        # the prompts come rendered and tokenized, exactly as the transformers path does it
+        chat_template_stage=False, tokenize_stage=False, detokenize_stage=False)
+    processor = build_processor(
+        config,
+        preprocess=partial(vllm_request, temperature=args.temperature, top_p=args.top_p,
+                           max_new_tokens=args.max_new_tokens),
+        postprocess=partial(vllm_sample, style=style, max_new_tokens=args.max_new_tokens))
+    return processor(ray.data.from_items(requests))
+
+
+# ---------------------------------------------------------------- keeping the right ones
+
+def verdict(sample: dict, kept_chains: set) -> str | None:
+    """Why a sample is left out, or None to keep it. A chain is trusted only when the model
+    stopped by itself, stated an answer, and the answer is right."""
+    if not sample["finished"]:
+        return "unfinished"
+    if sample["prediction"] is None:
+        return "no_answer"
+    if not sample["correct"]:
+        return "wrong_answer"
+    if not sample["cot"].strip():
+        return "empty_chain"
+    if (sample["source_id"], sample["cot"]) in kept_chains:
+        return "duplicate_chain"
+    return None
+
+
+def select(samples: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(kept corpus rows, rejected samples with their reason), in question then sample order."""
+    kept, rejected, chains = [], [], set()
+    for s in sorted(samples, key=lambda s: (s["source_id"], s["sample"])):
+        reason = verdict(s, chains)
+        if reason is None:
+            chains.add((s["source_id"], s["cot"]))
+            kept.append({c: s[c] for c in CORPUS_COLUMNS})
+        else:
+            rejected.append({**s, "reason": reason})
+    return kept, rejected
+
+
+def run(args: argparse.Namespace) -> int:
+    from mist_core.models import resolve
+
+    t0 = time.perf_counter()
+    try:
+        check_submitted_paths(args.input, args.output)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    name = loop.check_model(args.model)
+    style = loop.style_of(args.style, args.adapter)
+    runtime.init_ray(args.address, args.actors, args.cpus_per_actor)
+    questions, qcounts = loop.read_questions(args.input, fmt=args.format, adapter=args.adapter,
+                                             columns=args.columns, limit=args.limit)
+    pool, resources = loop.actor_pool(args.actors, args.cpus_per_actor, args.gpus_per_actor)
+    device = "cuda" if resources.get("num_gpus") else "cpu"
+    engine = choose_engine(args.engine, resources.get("num_gpus", 0))
+    print(f"sampling {args.k} chains for each of {len(questions)} questions with {name} "
+          f"on {device} through {engine} ({style} answers)", flush=True)
+    import ray
+
+    t_run = time.perf_counter()
+    if engine == "vllm":
+        ds = vllm_samples(questions, args, style)
+    else:
+        ds = ray.data.from_items(questions).map_batches(
+            SampleActor, compute=pool, batch_size=args.batch_size, batch_format="pyarrow",
+            fn_constructor_kwargs=dict(
+                model=args.model, dtype=args.dtype, device=device,
+                threads=int(args.cpus_per_actor), k=args.k, style=style,
+                temperature=args.temperature, top_p=args.top_p,
+                max_new_tokens=args.max_new_tokens, seed=args.seed, batch_size=args.batch_size),
+            **resources)
+    samples = []
+    for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+        samples += batch.to_pylist()
+        print(f"[generate] {len(samples)}/{len(questions) * args.k} samples", flush=True)
+    kept, rejected = select(samples)
+    run_s = time.perf_counter() - t_run
+
+    corpus = storage.join(args.output, f"chains.{'parquet' if args.output_format == 'parquet' else 'jsonl'}")
+    loop.write_rows(corpus, kept, args.output_format)
+    loop.write_rows(storage.join(args.output, "_rejected.jsonl"), rejected)
+    reasons = Counter(r["reason"] for r in rejected)
+    counts = {**qcounts, "samples": len(samples), "kept": len(kept), "rejected": len(rejected),
+              "rejected_by_reason": dict(sorted(reasons.items())),
+              "questions_with_a_kept_chain": len({r["source_id"] for r in kept})}
+    manifest = {
+        "command": "mist generate", "output": storage.redact(args.output),
+        "corpus": storage.redact(corpus),
+        "settings": {"input": [storage.redact(u) for u in args.input], "adapter": args.adapter,
+                     "columns": args.columns, "limit": args.limit, "style": style, "k": args.k,
+                     "temperature": args.temperature, "top_p": args.top_p,
+                     "max_new_tokens": args.max_new_tokens, "seed": args.seed},
+        "model": {"spec": args.model, "name": name, "path": resolve(args.model)[0],
+                  "dtype": args.dtype, "device": device, "engine": engine},
+        "counts": counts,
+        "versions": runtime.versions(),
+        "timings": {"sample_s": round(run_s, 3), "total_s": round(time.perf_counter() - t0, 3)},
+    }
+    loop.write_json(storage.join(args.output, "_manifest.json"), manifest)
+    print(f"kept {len(kept)} of {len(samples)} sampled chains "
+          f"({counts['questions_with_a_kept_chain']}/{len(questions)} questions have one); "
+          f"rejected: {', '.join(f'{k} {v}' for k, v in counts['rejected_by_reason'].items()) or 'none'}")
+    print(f"corpus: {storage.redact(corpus)}  (mist compress --input {storage.redact(args.output)} "
+          "--adapter generic)")
+    if not kept:
+        print("warning: no chain was kept: the compression job would have nothing to read",
+              file=sys.stderr)
+    return 0
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=EPILOG)
+    loop.add_questions(p)
+    p.add_argument("--output", required=True, help="folder (local, s3://, gs://) for the corpus")
+    p.add_argument("--output-format", default="jsonl", choices=("jsonl", "parquet"))
+    p.add_argument("--k", type=int, default=4, help="chains sampled per question (default: 4)")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="questions per actor call and sequences per forward pass (default: 8)")
+    p.add_argument("--engine", default="auto", choices=("auto", "transformers", "vllm"),
+                   help="auto: vLLM through ray.data.llm where vLLM is installed and the "
+                        "actors get GPUs, else transformers (default: auto)")
+    loop.add_common(p)
+    return p
+
+
+EPILOG = """\
+example:
+  mist generate --input ../shared/data/gsm8k/train.jsonl --adapter gsm8k --limit 200 \\
+      --k 4 --output outputs/gen
+  mist compress --input outputs/gen --adapter generic --output outputs/gen-mist
+"""
+
+
+def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
+    args = build_parser(prog).parse_args(argv)
+    if args.k < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
+        raise ConfigError("--k, --batch-size and --max-new-tokens must be at least 1")
+    if not 0 < args.top_p <= 1 or args.temperature < 0:
+        raise ConfigError("--top-p must lie in (0, 1] and --temperature be >= 0")
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError("--limit must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m pipelines.generate") -> int:
+    return loop.run_main(run, sys.argv[1:] if argv is None else list(argv), parse_args, prog)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
