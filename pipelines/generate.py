@@ -32,7 +32,6 @@ from mist_core.errors import MissingDependency
 
 from . import loop, runtime, storage
 from .errors import ConfigError
-from .sources import check_submitted_paths
 
 SAMPLE_SCHEMA = pa.schema([
     ("id", pa.string()), ("source_id", pa.string()), ("sample", pa.int64()),
@@ -170,17 +169,9 @@ def run(args: argparse.Namespace) -> int:
     from mist_core.models import resolve
 
     t0 = time.perf_counter()
-    try:
-        check_submitted_paths(args.input, args.output)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    name = loop.check_model(args.model)
-    style = loop.style_of(args.style, args.adapter)
-    runtime.init_ray(args.address, args.actors, args.cpus_per_actor)
-    questions, qcounts = loop.read_questions(args.input, fmt=args.format, adapter=args.adapter,
-                                             columns=args.columns, limit=args.limit)
-    pool, resources = loop.actor_pool(args.actors, args.cpus_per_actor, args.gpus_per_actor)
-    device = "cuda" if resources.get("num_gpus") else "cpu"
+    st = loop.start(args)
+    name, style, questions, qcounts = st.name, st.style, st.questions, st.counts
+    pool, resources, device = st.pool, st.resources, st.device
     engine = choose_engine(args.engine, resources.get("num_gpus", 0))
     print(f"sampling {args.k} chains for each of {len(questions)} questions with {name} "
           f"on {device} through {engine} ({style} answers)", flush=True)

@@ -9,6 +9,7 @@ import io
 import json
 import logging
 from collections import Counter
+from dataclasses import dataclass
 
 import pyarrow as pa
 import ray
@@ -19,7 +20,7 @@ from mist_core.examples import _row_id, stable_id
 from . import errors, runtime, stages, storage
 from .config import parse_actors, parse_columns
 from .errors import ConfigError, ModelLoadError
-from .sources import read_raw, resolve_inputs
+from .sources import check_submitted_paths, read_raw, resolve_inputs
 
 log = logging.getLogger("pipelines.loop")
 
@@ -208,6 +209,36 @@ def style_of(style: str, adapter: str) -> str:
     from mist_core.answers import style_for
 
     return style_for(adapter) if style == "auto" else style
+
+
+@dataclass
+class Start:
+    """What generate and solve know once their settings are checked and Ray is up."""
+
+    name: str  # the model's display name
+    style: str  # how answers are compared
+    questions: list[dict]
+    counts: dict  # the question set's read/valid/rejected counts
+    pool: object  # the actors' compute strategy
+    resources: dict  # each actor's CPUs and GPUs
+    device: str
+
+
+def start(args: argparse.Namespace) -> Start:
+    """The shared start of a question-set command: paths that ray job submit can reach, the
+    model's tokenizer, Ray, the questions, the actors' pool and device."""
+    try:
+        check_submitted_paths(args.input, args.output)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    name = check_model(args.model)
+    style = style_of(args.style, args.adapter)
+    runtime.init_ray(args.address, args.actors, args.cpus_per_actor)
+    questions, counts = read_questions(args.input, fmt=args.format, adapter=args.adapter,
+                                       columns=args.columns, limit=args.limit)
+    pool, resources = actor_pool(args.actors, args.cpus_per_actor, args.gpus_per_actor)
+    return Start(name, style, questions, counts, pool, resources,
+                 "cuda" if resources.get("num_gpus") else "cpu")
 
 
 def run_main(run, argv, parse, prog: str) -> int:
