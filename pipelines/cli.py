@@ -23,10 +23,12 @@ the distillation loop (README: generate, compress, train, solve):
              --workers N through Ray Train) and save it as a model folder
   solve      answer a test set greedily under each budget γ: accuracy, chain tokens and
              achieved compression with bootstrap intervals
+  testbed    the whole loop on a generated task with known needed tokens: which method
+             trains the better model (docs/results/downstream.md; --smoke: a few minutes)
 """
 
 
-LOOP = ("generate", "train", "solve")  # the distillation loop's commands, one module each
+LOOP = ("generate", "train", "solve", "testbed")  # the distillation loop's commands
 
 
 def main(argv: list[str] | None = None) -> int:

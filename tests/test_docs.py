@@ -115,7 +115,8 @@ def check_python(module: str, argv: list[str]) -> None:
 
 LOOP_MODULES = ("pipelines.generate", "pipelines.train", "pipelines.solve")
 MIST = {"compress": "pipelines.compress", "eval": "pipelines.evaluate", "bench": "pipelines.bench",
-        "soak": "pipelines.soak", **{m.split(".")[1]: m for m in LOOP_MODULES}}
+        "soak": "pipelines.soak", "testbed": "pipelines.testbed",
+        **{m.split(".")[1]: m for m in LOOP_MODULES}}
 OTHER_PROGRAMS = {"ray", "source", "deactivate", "export"}  # the README says what each does
 
 

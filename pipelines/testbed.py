@@ -1,0 +1,505 @@
+"""The downstream testbed: which compression trains the better model, on a generated task
+whose needed chain tokens are known (mist_core/synthetic.py).
+
+Per seed, in this process (no Ray; a few tiny models on a CPU):
+  1. problems: the target's training set, the Phase 0 questions and the test set;
+  2. the target: a tiny Llama trained from scratch on the generator's full chains (one
+     for all seeds by default: it is most of a seed's time; --target-per-seed for one each);
+  3. Phase 0: the target writes its own chain for each Phase 0 question (sampled); the
+     correct ones are the chains to compress, labelled with the generator's ground truth;
+  4. every method scores those chains; pruning keeps ⌈γT⌉ tokens at γ = 0.5 and 0.7; each
+     kept set is measured against the ground truth (precision, recall);
+  5. Phase 2: a fresh copy of the trained target is fine-tuned on each method's mixture
+     (formats.sft_records, mix "sample": one γ per chain from {0.5, 0.7, 1.0}, the
+     directive in the prompt below 1.0), and on the two controls: full chains only, and
+     the answer alone (no chain);
+  6. Phase 3: each fine-tuned model answers the test set greedily under γ = 0.5, 0.7 and
+     1.0 (the controls, trained without directives, under 1.0): accuracy and the tokens of
+     the chain it writes.
+Everything a seed produced is kept in --work (models, Phase 0 chains, per-arm results; by
+default under $MIST_CACHE or ~/.cache/mist), so a rerun resumes where it stopped. The seeds' numbers go to <out>/testbed.json and the
+table, mean and 95% interval over seeds, to <out>/downstream.md; the text under its
+`## Reading` heading is written by hand and kept when the file is regenerated.
+
+    python -m pipelines.testbed --seeds 3 --out docs/results      # the full run, ~45 min
+    python -m pipelines.testbed --smoke --out /tmp/testbed-smoke  # ~5 min
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ConfigError, run_main
+
+log = logging.getLogger("pipelines.testbed")
+
+METHODS = ("mist", "necessity", "sufficiency", "h2o", "perplexity", "gogi_l1", "uniform", "tail")
+CONTROLS = ("full_chain", "no_chain")
+TRAIN_BUDGETS = (0.5, 0.7)  # the pruned budgets of the mixture; 1.0 (the full chain) joins them
+EVAL_BUDGETS = (0.5, 0.7, 1.0)
+STYLE = "gsm8k"  # numeric answers: answers.answer_correct compares numbers
+
+
+@dataclass(frozen=True)
+class Sizes:
+    n_steps: tuple[int, int] = (2, 4)  # operations per problem
+    # One target for every seed (trained once, on seed-independent problems), or one per
+    # seed. Seeds always vary the Phase 0 questions and samples, the fine-tuning runs and
+    # the test set.
+    shared_target: bool = True
+    target_train: int = 8000  # problems the target learns the task from
+    phase0: int = 1000  # questions the target answers in Phase 0: the SFT corpus
+    test: int = 300
+    layers: int = 4
+    hidden: int = 128
+    # 1500 steps: 77% test accuracy in a probe (12 min on one contended core); lr 4e-3
+    # trained worse, 750 steps reached 35%.
+    target_epochs: float = 3.0
+    target_lr: float = 3e-3  # from scratch: a tiny model takes a large step
+    ft_epochs: float = 2.0
+    ft_lr: float = 1e-3
+    batch_size: int = 16
+    temperature: float = 0.7  # Phase 0 sampling
+    max_new_tokens: int = 160  # the longest generator chain plus answer is about 110 tokens
+    gen_batch: int = 100
+
+
+FULL = Sizes()
+# Two-step problems, so that a target trained for a couple of minutes answers some right.
+SMOKE = Sizes(n_steps=(2, 2), shared_target=False, target_train=6000, phase0=300, test=100,
+              target_epochs=2.0)
+
+
+# ---------------------------------------------------------------- one seed
+
+def _rows(problems) -> list[dict]:
+    return [{"id": p.id, "question": p.question, "answer": p.answer} for p in problems]
+
+
+def _save_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _trained(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def train_target(tok, problems, sizes: Sizes, seed: int, path: Path):
+    """The target: a fresh tiny Llama trained on the generator's full chains (no
+    directive), or the one a previous run saved."""
+    from mist_core.finetune import finetune
+    from mist_core.formats import sft_prompt_completion
+    from mist_core.models import load_model, wrap_model
+    from mist_core.synthetic import tiny_llama
+
+    if not _trained(path):
+        lm = wrap_model(tiny_llama(tok, layers=sizes.layers, hidden=sizes.hidden, seed=seed), tok,
+                        "target")
+        records = [sft_prompt_completion(id=p.id, question=p.question, cot=p.cot, answer=p.answer,
+                                         budget=1.0) for p in problems]
+        finetune(lm, records, path, epochs=sizes.target_epochs, learning_rate=sizes.target_lr,
+                 batch_size=sizes.batch_size, seed=seed, log_every=50)
+    return load_model(str(path))
+
+
+def phase0(lm, problems, sizes: Sizes, seed: int, path: Path) -> list[dict]:
+    """The target's own chains for the Phase 0 questions (one sample each), with the
+    problem's steps carried along for labelling."""
+    from mist_core.generation import sample_chains
+
+    if path.is_file():
+        return json.loads(path.read_text())
+    by_id = {p.id: p for p in problems}
+    samples = sample_chains(lm, _rows(problems), k=1, style=STYLE, temperature=sizes.temperature,
+                            max_new_tokens=sizes.max_new_tokens, seed=seed,
+                            batch_size=sizes.gen_batch)
+    for s in samples:
+        s["steps"] = by_id[s["source_id"]].row()["steps"]
+    _save_json(path, samples)
+    return samples
+
+
+def score_and_prune(lm, chains: list[dict], methods, seed: int) -> tuple[dict, dict]:
+    """Every method's compressed chains ({method: {chain id: {γ: text}}}) and what they
+    keep against the ground truth ({method: {γ: {precision, recall, n}}}: means over the
+    chains whose every step the labeller found)."""
+    from mist_core.errors import InvalidExample
+    from mist_core.evaluation import positional_scores
+    from mist_core.examples import Example
+    from mist_core.prune import prune
+    from mist_core.registry import get_scorer
+    from mist_core.scorer import ScoredChain
+    from mist_core.synthetic import Step, needed_spans, precision_recall, token_mask
+    from mist_core.templates import get_template
+
+    template = get_template("auto", lm.tokenizer, lm.max_length)
+    encoded, needed, labelled, equals = [], [], [], []
+    for c in chains:
+        enc = template.encode(Example(c["question"], c["cot"], c["answer"], id=c["id"]))
+        steps = [Step(*s) for s in c["steps"]]
+        spans, found = needed_spans(c["cot"], steps)
+        encoded.append(enc)
+        needed.append(token_mask(enc.chain_offsets, spans))
+        labelled.append(found == len(steps))
+        # The equations' `=` signs are not in the ground truth (they carry no quantity) but
+        # hold the chain's structure; what each method keeps of them is reported beside it.
+        equals.append(np.array([c["cot"][a:b].strip() == "=" for a, b in enc.chain_offsets]))
+    compressed, kept_stats, timings = {}, {}, {}
+    for method in methods:
+        t0 = time.time()
+        if method == "tail":  # the positional control: keep the chain's last tokens
+            scored = [ScoredChain.from_encoded(e, "tail", positional_scores(e.chain_len, "tail"))
+                      for e in encoded]
+        else:
+            kwargs = {"seed": seed} if method == "uniform" else {}
+            scorer = get_scorer(method, lm, max_memory=None, **kwargs)
+            scored = scorer.score_encoded(encoded, errors="return")
+        timings[method] = time.time() - t0
+        out, pr = {}, {g: [] for g in TRAIN_BUDGETS}
+        eq_kept = {g: [0, 0] for g in TRAIN_BUDGETS}
+        for enc, sc, need, ok, eq in zip(encoded, scored, needed, labelled, equals):
+            if isinstance(sc, InvalidExample):  # not trained on: every method loses the same
+                log.warning("%s: chain %s not scored: %s", method, enc.example.id, sc)
+                continue
+            kept = prune(enc.example, sc, budgets=TRAIN_BUDGETS)
+            out[enc.example.id] = {c.budget: c.text for c in kept}
+            if ok:
+                for c in kept:
+                    pr[c.budget].append(precision_recall(c.kept, need))
+                    eq_kept[c.budget][0] += int((c.kept & eq).sum())
+                    eq_kept[c.budget][1] += int(eq.sum())
+        compressed[method] = out
+        kept_stats[method] = {str(g): {"precision": float(np.mean([p for p, _ in v])),
+                                       "recall": float(np.mean([r for _, r in v])), "n": len(v),
+                                       "equals": eq_kept[g][0] / max(1, eq_kept[g][1])}
+                              for g, v in pr.items() if v}
+    shares = [n.mean() for n, ok in zip(needed, labelled) if ok]
+    kept_stats["_chains"] = {"n": len(chains), "labelled": int(sum(labelled)),
+                             "needed_share": float(np.mean(shares)) if shares else None,
+                             "tokens": float(np.mean([e.chain_len for e in encoded])),
+                             "score_seconds": {m: round(t, 2) for m, t in timings.items()}}
+    return compressed, kept_stats
+
+
+def arm_records(arm: str, chains: list[dict], compressed: dict | None, seed: int) -> list[dict]:
+    """The SFT records of one arm: a method's mixture, or a control."""
+    from mist_core.formats import sft_prompt_completion, sft_records
+    from mist_core.templates import ANSWER_LEAD
+
+    out = []
+    for c in chains:
+        common = dict(id=c["id"], question=c["question"], cot=c["cot"], answer=c["answer"])
+        if arm == "full_chain":
+            out += sft_records(**common, compressed={}, mix="sample", seed=seed)
+        elif arm == "no_chain":  # the answer line alone: the chain's end of the range
+            rec = sft_prompt_completion(**common, budget=1.0)
+            rec["completion"][0]["content"] = f"{ANSWER_LEAD}{c['answer']}"
+            out.append(rec)
+        elif c["id"] in compressed:
+            # One γ per chain, drawn by its id: every method trains on the same γ for the
+            # same chain, so methods differ only in which tokens they keep.
+            out += sft_records(**common, compressed=compressed[c["id"]], mix="sample", seed=seed)
+    return out
+
+
+def run_arm(arm: str, target: Path, records: list[dict], test_rows: list[dict], sizes: Sizes,
+            seed: int, path: Path) -> dict:
+    """Fine-tune a fresh copy of the target on the arm's records and answer the test set."""
+    from mist_core.finetune import finetune
+    from mist_core.generation import solve
+    from mist_core.models import load_model
+
+    t0 = time.time()
+    if not _trained(path):
+        finetune(str(target), records, path, epochs=sizes.ft_epochs, learning_rate=sizes.ft_lr,
+                 batch_size=sizes.batch_size, seed=seed, log_every=50)
+    t1 = time.time()
+    lm = load_model(str(path))
+    budgets = EVAL_BUDGETS if arm not in CONTROLS else (1.0,)
+    out = {"records": len(records), "train_seconds": round(t1 - t0, 1), "budgets": {}}
+    for g in budgets:
+        solved = solve(lm, test_rows, budget=g, style=STYLE, max_new_tokens=sizes.max_new_tokens,
+                       batch_size=sizes.gen_batch)
+        out["budgets"][str(g)] = {
+            "accuracy": float(np.mean([r["correct"] for r in solved])),
+            "chain_tokens": float(np.mean([r["chain_tokens"] for r in solved])),
+            "finished": float(np.mean([r["finished"] for r in solved])),
+            "correct": "".join("1" if r["correct"] else "0" for r in solved),
+            "example": solved[0]["completion"]}
+    out["solve_seconds"] = round(time.time() - t1, 1)
+    return out
+
+
+def run_seed(seed: int, sizes: Sizes, methods, work: Path, tok) -> dict:
+    """Everything of one seed; what is stored under work/seed<N> is reused."""
+    from mist_core.generation import solve
+    from mist_core.synthetic import make_problems
+
+    root = work / f"seed{seed}"
+    root.mkdir(parents=True, exist_ok=True)
+    state_path = root / "results.json"
+    state = json.loads(state_path.read_text()) if state_path.is_file() else {}
+    settings = json.loads(json.dumps(asdict(sizes)))
+    if state.get("sizes") not in (None, settings):
+        raise ConfigError(f"{root} holds a run with other sizes; use another --work")
+    state["sizes"] = settings
+    # Disjoint sets: the target never trained on a Phase 0 or test question.
+    target_seed = 0 if sizes.shared_target else seed
+    target_dir = work / "target" if sizes.shared_target else root / "target"
+    train = make_problems(sizes.target_train, seed=10_000 * target_seed + 1, prefix="a",
+                          n_steps=sizes.n_steps)
+    pool = make_problems(sizes.phase0, seed=10_000 * seed + 2, prefix="b", n_steps=sizes.n_steps,
+                         exclude=[p.question for p in train])
+    test = make_problems(sizes.test, seed=10_000 * seed + 3, prefix="t", n_steps=sizes.n_steps,
+                         exclude=[p.question for p in train + pool])
+    test_rows = _rows(test)
+
+    t0 = time.time()
+    target = train_target(tok, train, sizes, target_seed, target_dir)
+    if "target" not in state:
+        solved = solve(target, test_rows, budget=1.0, style=STYLE,
+                       max_new_tokens=sizes.max_new_tokens, batch_size=sizes.gen_batch)
+        state["target"] = {"accuracy": float(np.mean([r["correct"] for r in solved])),
+                           "chain_tokens": float(np.mean([r["chain_tokens"] for r in solved])),
+                           "seconds": round(time.time() - t0, 1)}
+        _save_json(state_path, state)
+    log.info("seed %d: target accuracy %.3f", seed, state["target"]["accuracy"])
+
+    samples = phase0(target, pool, sizes, seed, root / "phase0.json")
+    chains = [s for s in samples if s["correct"] and s["finished"]]
+    state["phase0"] = {"sampled": len(samples), "kept": len(chains)}
+    if not chains:
+        raise SystemExit(f"seed {seed}: the target got no Phase 0 question right")
+    compressed, kept = score_and_prune(target, chains, [m for m in methods], seed)
+    state["kept"] = kept
+    _save_json(state_path, state)
+
+    arms = state.setdefault("arms", {})
+    for arm in list(CONTROLS) + list(methods):
+        if arm in arms:
+            continue
+        records = arm_records(arm, chains, compressed.get(arm), seed)
+        arms[arm] = run_arm(arm, target_dir, records, test_rows, sizes, seed, root / arm)
+        _save_json(state_path, state)
+        acc = {g: round(v["accuracy"], 3) for g, v in arms[arm]["budgets"].items()}
+        log.info("seed %d %s: accuracy %s (train %.0fs)", seed, arm, acc,
+                 arms[arm]["train_seconds"])
+    return state
+
+
+# ---------------------------------------------------------------- across seeds
+
+# Two-sided 95% Student t quantiles by degrees of freedom: intervals over a handful of seeds.
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+         9: 2.262, 10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def t_interval(values) -> tuple[float, float]:
+    """(mean, half-width of the 95% t interval); half-width nan with one value."""
+    v = np.asarray([x for x in values if x is not None and not math.isnan(x)], float)
+    if len(v) == 0:
+        return float("nan"), float("nan")
+    if len(v) == 1:
+        return float(v[0]), float("nan")
+    df = len(v) - 1
+    t = _T975.get(df) or _T975[max(k for k in _T975 if k <= df)]
+    return float(v.mean()), float(t * v.std(ddof=1) / math.sqrt(len(v)))
+
+
+def aggregate(seeds: dict[int, dict], methods) -> list[dict]:
+    """One row per (arm, γ): mean and 95% interval over seeds of accuracy, chain tokens
+    and (for the pruned budgets) kept-token precision and recall."""
+    rows = []
+    for arm in list(methods) + list(CONTROLS):
+        budgets = EVAL_BUDGETS if arm not in CONTROLS else (1.0,)
+        for g in budgets:
+            per = [s["arms"][arm]["budgets"][str(g)] for s in seeds.values()
+                   if arm in s.get("arms", {})]
+            if not per:
+                continue
+            row = {"arm": arm, "budget": g, "seeds": len(per),
+                   "accuracy": t_interval([p["accuracy"] for p in per]),
+                   "chain_tokens": t_interval([p["chain_tokens"] for p in per])}
+            if arm in methods and g < 1.0:
+                kept = [s["kept"][arm][str(g)] for s in seeds.values() if arm in s.get("kept", {})]
+                row["precision"] = t_interval([k["precision"] for k in kept])
+                row["recall"] = t_interval([k["recall"] for k in kept])
+                row["equals"] = t_interval([k.get("equals", float("nan")) for k in kept])
+            rows.append(row)
+    return rows
+
+
+def paired(seeds: dict[int, dict], a: str, b: str, g: float, key: str) -> tuple[float, float]:
+    """Mean and 95% t interval over seeds of a − b (same target and test set per seed)."""
+    diffs = [s["arms"][a]["budgets"][str(g)][key] - s["arms"][b]["budgets"][str(g)][key]
+             for s in seeds.values() if a in s.get("arms", {}) and b in s.get("arms", {})]
+    return t_interval(diffs)
+
+
+def _fmt(mi, scale=1.0, digits=1) -> str:
+    m, h = mi
+    if math.isnan(m):
+        return "—"
+    return f"{m * scale:.{digits}f}" + ("" if math.isnan(h) else f" ± {h * scale:.{digits}f}")
+
+
+READING = "## Reading"
+
+
+def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading: str) -> str:
+    rows = aggregate(seeds, methods)
+    n = len(seeds)
+    kept0 = [s["kept"]["_chains"] for s in seeds.values()]
+    lines = [
+        "# Downstream testbed: which compression trains the better model",
+        "",
+        "*Generated by `pipelines/testbed.py` from `testbed.json` (beside this file); the "
+        f"reading at the end is written by hand.* {n} seed{'s' if n != 1 else ''}; each number "
+        "is the mean over seeds ± the half-width of its 95% t interval (nothing after ± with "
+        "one seed).",
+        "",
+        "Regenerate (resumes what `--work` holds):",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        "## Setup",
+        "",
+        f"- Task (`mist_core/synthetic.py`): word problems with "
+        f"{'–'.join(map(str, sorted(set(sizes.n_steps))))} chained +, −, × steps on "
+        f"small integers, filler sentences and distractor facts with numbers of their own. "
+        f"Ground truth: the operands, operator and result of each step's equation in the "
+        f"chain ({_fmt(t_interval([k['needed_share'] for k in kept0]), 100)}% of the Phase 0 "
+        f"chains' tokens; chains of {_fmt(t_interval([k['tokens'] for k in kept0]))} tokens).",
+        f"- Target: a Llama of {sizes.layers} blocks, width {sizes.hidden}, word-level "
+        f"tokenizer, trained from scratch on {sizes.target_train} generator chains "
+        f"({sizes.target_epochs:g} epochs, lr {sizes.target_lr:g}, batch {sizes.batch_size}"
+        f"{'; one target for all seeds' if sizes.shared_target else '; one per seed'}). "
+        "Its test accuracy: "
+        f"{_fmt(t_interval([s['target']['accuracy'] for s in seeds.values()]), 100)}%.",
+        f"- Phase 0: the target samples one chain (T = {sizes.temperature:g}) per question "
+        f"for {sizes.phase0} new questions; the correct ones "
+        f"({_fmt(t_interval([s['phase0']['kept'] for s in seeds.values()]), 1, 0)}) are the "
+        "corpus every method compresses.",
+        f"- Phase 2: a copy of the target fine-tuned ({sizes.ft_epochs:g} epochs, lr "
+        f"{sizes.ft_lr:g}, batch {sizes.batch_size}) on each method's mixture: one γ per chain "
+        "from {0.5, 0.7, 1.0}, drawn by the chain's id (the same for every method), the "
+        "directive in the prompt below 1.0. Controls: `full_chain` (every chain whole, no "
+        "directive) and `no_chain` (the answer line alone).",
+        f"- Phase 3: greedy answers on {sizes.test} new test questions under each γ (the "
+        "controls under 1.0). *Chain tokens*: tokens the model writes before `The answer is`.",
+        "- *Precision / recall*: of the chain tokens a method keeps at γ in the Phase 0 corpus "
+        "(its training data), against the ground truth; over the chains the labeller "
+        "matched every step of. *`=` kept*: the share of the equations' `=` signs kept "
+        "(not ground truth: they carry no quantity, but they are the equations' structure).",
+        "",
+        "## Results",
+        "",
+        "| arm | γ | accuracy % | chain tokens | kept precision % | kept recall % | `=` kept % |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        prec = _fmt(r["precision"], 100) if "precision" in r else "—"
+        rec = _fmt(r["recall"], 100) if "recall" in r else "—"
+        eq = _fmt(r["equals"], 100) if "equals" in r else "—"
+        lines.append(f"| {r['arm']} | {r['budget']:g} | {_fmt(r['accuracy'], 100)} | "
+                     f"{_fmt(r['chain_tokens'])} | {prec} | {rec} | {eq} |")
+    if "mist" in methods and "h2o" in methods:
+        lines += ["", "### MIST − H2O, paired by seed", "",
+                  "| γ | accuracy, points | chain tokens |", "|---|---|---|"]
+        for g in EVAL_BUDGETS:
+            lines.append(f"| {g:g} | {_fmt(paired(seeds, 'mist', 'h2o', g, 'accuracy'), 100)} | "
+                         f"{_fmt(paired(seeds, 'mist', 'h2o', g, 'chain_tokens'))} |")
+    lines += ["", READING, "", reading.strip() or "*Not written yet.*", ""]
+    return "\n".join(lines)
+
+
+def existing_reading(path: Path) -> str:
+    if not path.is_file():
+        return ""
+    text = path.read_text()
+    return text.split(READING, 1)[1] if READING in text else ""
+
+
+# ---------------------------------------------------------------- entry point
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
+    p.add_argument("--out", default="docs/results", help="where testbed.json and downstream.md go")
+    p.add_argument("--work", default=None,
+                   help="models and per-seed state, reused by a rerun (default: "
+                        "$MIST_CACHE/testbed, ~/.cache/mist/testbed without it)")
+    p.add_argument("--smoke", action="store_true",
+                   help="small sizes, one seed, MIST, H2O and the controls: a few minutes")
+    p.add_argument("--methods", default=None,
+                   help=f"comma-separated (default: all of {','.join(METHODS)})")
+    p.add_argument("--target-per-seed", action="store_true",
+                   help="train a target per seed instead of one for all seeds (+12 min a seed)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m pipelines.testbed") -> int:
+    args = build_parser(prog).parse_args(argv)
+    return run_main(lambda: run(args, argv))
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    for noisy in ("transformers", "datasets", "trl", "accelerate"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    import datasets
+    import torch
+
+    datasets.disable_progress_bars()  # TRL maps each arm's records: one bar per map
+    torch.set_num_threads(args.threads)
+    from mist_core.models import cache_root
+    from mist_core.synthetic import build_tokenizer, vocabulary_texts
+
+    sizes = SMOKE if args.smoke else FULL
+    if args.target_per_seed:
+        sizes = replace(sizes, shared_target=False)
+    methods = (args.methods.split(",") if args.methods else
+               ["mist", "h2o"] if args.smoke else list(METHODS))
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise ConfigError(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    seeds = 1 if args.smoke and args.seeds == 3 else args.seeds
+    out = Path(args.out)
+    work = Path(args.work) if args.work else cache_root() / ("testbed-smoke" if args.smoke
+                                                             else "testbed")
+    out.mkdir(parents=True, exist_ok=True)
+    command = shlex.join(["python", "-m", "pipelines.testbed"] + (sys.argv[1:] if argv is None
+                                                                   else list(argv)))
+    tok = build_tokenizer(vocabulary_texts())
+    results, t0 = {}, time.time()
+    for seed in range(seeds):
+        results[seed] = run_seed(seed, sizes, methods, work, tok)
+        # run_seconds: this invocation's wall time (a resumed run skips what is stored)
+        _save_json(out / "testbed.json", {"command": command, "sizes": asdict(sizes),
+                                          "methods": methods, "seeds": results,
+                                          "run_seconds": round(time.time() - t0, 1)})
+    md = out / "downstream.md"
+    md.write_text(render(results, methods, sizes, command, existing_reading(md)))
+    log.info("done in %.0f s: %s, %s", time.time() - t0, out / "testbed.json", md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""The downstream testbed: the task generator, its ground truth and labeller, the word-level
+tokenizer, and (integration) the whole loop at smoke size."""
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import numpy as np
+import pytest
+
+from mist_core.synthetic import (EQUATION, MAX_VALUE, Step, apply, build_tokenizer, make_problem,
+                                 make_problems, needed_spans, precision_recall, tiny_llama,
+                                 token_mask, vocabulary_texts)
+
+
+@pytest.fixture(scope="module")
+def problems():
+    return make_problems(300, seed=7)
+
+
+@pytest.fixture(scope="module")
+def word_tokenizer():
+    return build_tokenizer(vocabulary_texts())
+
+
+def test_steps_chain_and_stay_small(problems):
+    for p in problems:
+        assert 2 <= len(p.steps) <= 4
+        for a, b in zip(p.steps, p.steps[1:]):
+            assert b.before == a.after
+        for s in p.steps:
+            assert s.after == apply(s.op, s.before, s.operand)
+            assert 1 <= s.after <= MAX_VALUE
+        assert p.answer == str(p.steps[-1].after)
+
+
+def test_question_states_every_operand_and_distractors(problems):
+    for p in problems:
+        assert f"has {p.steps[0].before} " in p.question
+        for s in p.steps:
+            if s.op == "*":
+                assert {2: "doubles", 3: "triples"}[s.operand] in p.question
+            else:
+                assert re.search(rf"\b{s.operand}\b", p.question)
+    # distractor facts carry numbers the answer does not need
+    assert any(re.search(r"\d+ (years old|minutes away|friends)", p.question) for p in problems)
+
+
+def test_ground_truth_spans_are_the_equations(problems):
+    for p in problems:
+        texts = [p.cot[a:b] for a, b in p.needed]
+        expected = [str(x) for s in p.steps for x in (s.before, s.op, s.operand, s.after)]
+        assert texts == expected
+        # exactly one copy of each: every needed span lies inside one of the equations
+        eqs = [m.span() for m in EQUATION.finditer(p.cot)]
+        assert len(eqs) == len(p.steps)
+        assert all(any(a0 <= a and b <= b0 for a0, b0 in eqs) for a, b in p.needed)
+        # the chain has more than the equations: narration, filler, restatements
+        assert sum(b - a for a, b in p.needed) < len(p.cot) / 3
+
+
+def test_labeller_recovers_the_generator_spans(problems):
+    for p in problems:
+        spans, found = needed_spans(p.cot, p.steps)
+        assert found == len(p.steps)
+        assert spans == list(p.needed)
+
+
+def test_labeller_on_generated_style_chains():
+    steps = [Step("+", 4, 3, 7), Step("*", 2, 7, 14)]
+    # A model's chain: other wording, a stray equation with other values first, a number
+    # restated, spacing the generator never writes.
+    cot = ("First 2 + 2 = 4 is not it. Ann had 3 apples and got 4, so 3 + 4 = 7 apples. "
+           "Doubling: 7 * 2 = 14. Ann has 14.")
+    spans, found = needed_spans(cot, steps)
+    assert found == 2
+    assert [cot[a:b] for a, b in spans] == ["3", "+", "4", "7", "7", "*", "2", "14"]
+    assert spans[0][0] == cot.index("3 + 4")
+    # a chain that garbles a step: that step is missing, the other still found
+    spans, found = needed_spans("So 3 + 4 = 8. Then 7 * 2 = 14.", steps)
+    assert found == 1 and len(spans) == 4
+    # steps are matched in order: an equation before the previous step's does not count
+    spans, found = needed_spans("7 * 2 = 14. Then 3 + 4 = 7.", steps)
+    assert found == 1
+
+
+def test_token_mask_precision_recall():
+    offsets = np.array([[0, 3], [3, 5], [5, 9], [9, 12]])
+    need = token_mask(offsets, [(4, 6)])
+    assert need.tolist() == [False, True, True, False]
+    p, r = precision_recall(np.array([True, True, False, False]), need)
+    assert (p, r) == (0.5, 0.5)
+    assert np.isnan(precision_recall(np.zeros(4, bool), need)[0])
+
+
+def test_tokenizer_round_trips_and_numbers_are_one_token(problems, word_tokenizer):
+    from mist_core.formats import sft_turns
+
+    tok = word_tokenizer
+    for p in problems[:50]:
+        for budget in (0.5, 0.7, 1.0):
+            user, assistant = sft_turns(question=p.question, cot=p.cot, answer=p.answer,
+                                        budget=budget)
+            text = tok.apply_chat_template([{"role": "user", "content": user},
+                                            {"role": "assistant", "content": assistant}],
+                                           tokenize=False)
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            assert tok.unk_token_id not in ids
+            assert tok.decode(ids) == text
+        enc = tok(p.cot, add_special_tokens=False, return_offsets_mapping=True)
+        for a, b in p.needed:  # each number and operator is exactly one token
+            assert sum(1 for s, e in enc["offset_mapping"] if s < b and e > a) == 1
+    assert len(tok(" 57", add_special_tokens=False)["input_ids"]) == 1
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token_id != tok.eos_token_id
+
+
+def test_pruned_chains_tokenize_to_the_kept_tokens(problems, word_tokenizer):
+    """What a method keeps is what the fine-tuned model is taught to write: the kept
+    pieces, re-tokenized, are the kept tokens."""
+    from mist_core import Example, prune
+    from mist_core.models import wrap_model
+    from mist_core.scorer import ScoredChain
+    from mist_core.templates import get_template
+
+    tok = word_tokenizer
+    lm = wrap_model(tiny_llama(tok, layers=2, hidden=32), tok)
+    template = get_template("auto", tok, lm.max_length)
+    rng = np.random.default_rng(0)
+    for p in problems[:20]:
+        enc = template.encode(Example(p.question, p.cot, p.answer, id=p.id))
+        scored = ScoredChain.from_encoded(enc, "random", rng.random(enc.chain_len))
+        (c,) = prune(enc.example, scored, budgets=(0.5,))
+        ids = tok(c.text, add_special_tokens=False)["input_ids"]
+        chain_ids = enc.source_ids[enc.chain_start: enc.chain_stop][c.kept]
+        assert tok.convert_ids_to_tokens(ids)[1:] == tok.convert_ids_to_tokens(chain_ids)[1:]
+        assert len(ids) == c.kept_tokens
+
+
+def test_problems_are_reproducible_and_disjoint():
+    a = make_problems(50, seed=3)
+    assert [p.question for p in a] == [p.question for p in make_problems(50, seed=3)]
+    b = make_problems(50, seed=4, exclude=[p.question for p in a])
+    assert not {p.question for p in a} & {p.question for p in b}
+    assert make_problem(random.Random(1), "x").id == "x"
+
+
+def test_t_interval_and_render(tmp_path):
+    from pipelines.testbed import READING, Sizes, existing_reading, render, t_interval
+
+    m, h = t_interval([0.5, 0.6, 0.7])
+    assert m == pytest.approx(0.6) and h == pytest.approx(4.303 * 0.1 / 3 ** 0.5)
+    assert np.isnan(t_interval([0.5])[1])
+
+    def seed(acc_mist, acc_h2o):
+        arm = lambda acc: {"budgets": {g: {"accuracy": acc, "chain_tokens": 10.0}  # noqa: E731
+                                       for g in ("0.5", "0.7", "1.0")}}
+        ctl = {"budgets": {"1.0": {"accuracy": 0.5, "chain_tokens": 0.0}}}
+        kept = {g: {"precision": 0.4, "recall": 0.8, "n": 5} for g in ("0.5", "0.7")}
+        return {"target": {"accuracy": 0.7}, "phase0": {"kept": 5},
+                "kept": {"mist": kept, "h2o": kept,
+                         "_chains": {"needed_share": 0.2, "tokens": 40.0}},
+                "arms": {"mist": arm(acc_mist), "h2o": arm(acc_h2o), "full_chain": ctl,
+                         "no_chain": ctl}}
+
+    seeds = {0: seed(0.6, 0.5), 1: seed(0.7, 0.5), 2: seed(0.8, 0.5)}
+    md = render(seeds, ["mist", "h2o"], Sizes(), "python -m pipelines.testbed", "Kept text.")
+    assert "| mist | 0.5 | 70.0 ± 24.8 | 10.0 ± 0.0 | 40.0 ± 0.0 | 80.0 ± 0.0 | — |" in md
+    assert "| 0.5 | 20.0 ± 24.8 | 0.0 ± 0.0 |" in md  # MIST − H2O, paired
+    path = tmp_path / "downstream.md"
+    path.write_text(md)
+    assert existing_reading(path).strip() == "Kept text." and md.count(READING) == 1
+
+
+@pytest.mark.integration
+def test_smoke_run_has_signal(tmp_path):
+    """The whole loop at smoke size: a target trained from scratch, its own chains scored
+    by MIST and H2O, fine-tuned copies, the controls. The experiment has signal only if a
+    model trained on full chains answers better than one trained on answers alone."""
+    from pipelines.testbed import main
+
+    out = tmp_path / "out"
+    assert main(["--smoke", "--out", str(out), "--work", str(tmp_path / "work")]) == 0
+    result = json.loads((out / "testbed.json").read_text())
+    seed = result["seeds"]["0"]
+    full = seed["arms"]["full_chain"]["budgets"]["1.0"]["accuracy"]
+    none = seed["arms"]["no_chain"]["budgets"]["1.0"]["accuracy"]
+    assert full >= none + 0.15, (full, none)
+    assert seed["arms"]["no_chain"]["budgets"]["1.0"]["chain_tokens"] < 2
+    for method in ("mist", "h2o"):
+        assert set(seed["arms"][method]["budgets"]) == {"0.5", "0.7", "1.0"}
+        kept = seed["kept"][method]["0.5"]
+        assert 0 <= kept["precision"] <= 1 and 0 <= kept["recall"] <= 1 and kept["n"] > 0
+    md = (out / "downstream.md").read_text()
+    assert "python -m pipelines.testbed --smoke" in md
+    assert "| mist | 0.5 |" in md and "| no_chain | 1 |" in md
