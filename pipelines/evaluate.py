@@ -23,7 +23,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -89,12 +88,12 @@ def default_exact_layers(n_layers: int) -> list[int]:
 class EvalActor:
     """One model replica; evaluates whole chains, a batch of raw rows at a time."""
 
-    def __init__(self, cfg: dict, device: str = "cpu"):
+    def __init__(self, cfg: EvalConfig, device: str = "cpu"):
         import torch
 
         from mist_core import get_scorer, load_model
 
-        self.cfg = SimpleNamespace(**cfg)
+        self.cfg = cfg
         if device == "cpu":
             torch.set_num_threads(self.cfg.threads or max(1, int(self.cfg.cpus_per_actor)))
         self.lm = load_model(self.cfg.model, dtype=self.cfg.dtype, device=device)
@@ -323,7 +322,7 @@ def run(cfg: EvalConfig, argv: list[str]) -> dict:
         ds = ray.data.from_arrow([rows.slice(i, bs) for i in range(0, rows.num_rows, bs)])
         ds = ds.map_batches(EvalActor, compute=runtime.actor_pool(cfg.actors), batch_size=cfg.batch_size,
                             batch_format="pyarrow", fn_constructor_kwargs={
-                                "cfg": asdict(cfg), "device": "cuda" if gpus else "cpu"},
+                                "cfg": cfg, "device": "cuda" if gpus else "cpu"},
                             **runtime.actor_resources(cfg.cpus_per_actor, gpus))
         with (out / RESULTS).open("a", encoding="utf-8") as f:
             for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
