@@ -19,7 +19,7 @@ import ray
 from mist_core import MistScorer, get_adapter, load_model, prune
 
 from . import compress
-from .config import JobConfig, validate
+from .settings import JobConfig, validate
 
 
 def _rows(path: Path, n: int) -> list[dict]:

@@ -24,7 +24,7 @@ from mist_core.formats import (DATA_COLUMNS, REJECT_SCHEMA, SCORES_SCHEMA, budge
                                data_schema, fits, kinds_type, sft_budgets, sft_format_name)
 
 from . import errors, placement, runtime, stages, storage
-from .config import JobConfig, parse_args
+from .settings import JobConfig, parse
 from .errors import AccountingError, ConfigError, ErrorBudgetExceeded, causes
 from .output import Existing, Output
 from .budget import ErrorBudget, start_tally
@@ -406,6 +406,44 @@ def summary(manifest: dict, out: Output) -> str:
                   f"  compressed: {ex['compressed_cot']}",
                   f"  answer:     {ex['answer']}"]
     return "\n".join(lines)
+
+
+DESCRIPTION = """\
+Compress reasoning chains with MIST, as a Ray Data job.
+
+Reads corpora (JSONL or parquet, local or in object storage, or a Hugging Face split),
+scores every chain with a model (one replica per actor; one GPU each on a GPU cluster),
+prunes each chain to every budget, and writes under --output:
+  data/     parquet, one row per (example, budget): the compressed chain and its counts
+  sft/      JSONL training data mixing the budgets and the full chain
+  scores/   per-token scores (with --scores)
+  rejects/  every input row that could not be used, with its reason
+  _manifest.json   written last: settings, versions, counts, timings
+
+With no arguments it runs the built-in demo on this machine: 48 generated arithmetic
+problems, SmolLM2-135M-Instruct, output in ./outputs/demo.
+Running again onto the same --output (mode refresh) scores only rows not yet there."""
+
+EPILOG = """\
+examples:
+  python -m pipelines.compress                       # the demo, end to end
+  python -m pipelines.compress --input ../shared/data/gsm8k/test.jsonl --adapter gsm8k \\
+      --output outputs/gsm8k --limit 100
+  python -m pipelines.compress --input s3://bucket/corpora/math/ --adapter math \\
+      --output s3://bucket/mist/math --model Qwen/Qwen2.5-1.5B-Instruct \\
+      --actors 1,4 --gpus-per-actor 1 --scores
+  python -m pipelines.compress --config refresh.yaml   # keys as below, e.g. batch_size: 32
+
+exit status: 0 done, 2 bad settings, input or model, 3 counts did not reconcile, 4 storage
+unavailable (retried for MIST_STORAGE_RETRY_S seconds, default 60; rerun to resume),
+5 more rows failed than --max-error-share allows (no manifest; rerun after the fix redoes
+them), 1 other failure."""
+
+
+def parse_args(argv: list[str] | None = None, prog: str = "python -m pipelines.compress"
+               ) -> JobConfig:
+    """The job's settings from its command line (and the YAML file --config names)."""
+    return parse(JobConfig, argv, prog, DESCRIPTION, EPILOG)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m pipelines.compress") -> int:

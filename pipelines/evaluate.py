@@ -14,14 +14,12 @@ Runs on a local Ray (default) or a cluster (--address or $RAY_ADDRESS); each act
 one model replica and evaluates whole chains."""
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,51 +27,19 @@ import pyarrow as pa
 import ray
 
 from mist_core.errors import InvalidExample, MissingDependency
-from mist_core.examples import ADAPTERS
 from mist_core.taxonomy import TYPES
-from mist_core.templates import TEMPLATES
 
 from . import errors, runtime, stages
-from .config import ConfigError, parse_actors, parse_columns, parse_floats
-from .results import ALL_METHODS, BASELINES, POSITIONAL, RESULTS, RUN, read_records, variant_name
+from .errors import ConfigError
+from .settings import EvalConfig, parse
+from .results import BASELINES, POSITIONAL, RESULTS, RUN, read_records, variant_name
 from .sources import read_raw, resolve_inputs
 
 log = logging.getLogger("pipelines.evaluate")
 
-DEFAULT_BUDGETS = [0.3, 0.5, 0.7, 0.9]
 # Settings a resumed run must share with the results already in its folder.
 _SAME = ("input", "adapter", "columns", "model", "methods", "budgets", "sample", "seed", "unit",
          "template", "dtype", "alpha", "style", "exact_n", "exact_layers", "extra_new")
-
-
-@dataclass
-class EvalConfig:
-    input: list[str] = field(default_factory=list)
-    format: str = "auto"
-    adapter: str = "generic"
-    columns: dict = field(default_factory=dict)
-    model: str = "smollm2-135m-instruct"
-    methods: list[str] = field(default_factory=lambda: list(ALL_METHODS))
-    budgets: list[float] = field(default_factory=lambda: list(DEFAULT_BUDGETS))
-    sample: int = 200
-    seed: int = 0
-    unit: str = "token"
-    template: str = "auto"
-    dtype: str = "float32"
-    alpha: float = 0.6
-    style: str = "auto"
-    exact_n: int = 8
-    exact_layers: list[int] | None = None  # None: default_exact_layers
-    extra_new: int = 8
-    output: str = "outputs/eval"
-    mode: str = "resume"
-    batch_size: int = 4
-    batch_tokens: int = 8192
-    actors: tuple = (1, 1)
-    cpus_per_actor: float = 1.0
-    gpus_per_actor: float | None = None
-    threads: int | None = None
-    address: str | None = None
 
 
 def default_exact_layers(n_layers: int) -> list[int]:
@@ -273,7 +239,7 @@ def load_done(out: Path, cfg: EvalConfig) -> set:
     if not results.exists():
         return set()
     before = json.loads(run.read_text())["config"] if run.exists() else {}
-    now = asdict(cfg)
+    now = cfg.to_dict()
     diff = [k for k in _SAME if k in before and json.dumps(before[k]) != json.dumps(now[k])]
     if diff:
         raise ConfigError(f"{out} holds results made with other settings ({', '.join(diff)}); "
@@ -301,7 +267,7 @@ def run(cfg: EvalConfig, argv: list[str]) -> dict:
     plan = pa.concat_tables(list(plan.iter_batches(batch_format="pyarrow", batch_size=None)))
     wanted, n_valid = choose(plan, cfg.sample, cfg.seed, cfg.exact_n)
     todo = {k: v for k, v in wanted.items() if k not in done}
-    meta = {"config": asdict(cfg), "model_name": model_name,
+    meta = {"config": cfg.to_dict(), "model_name": model_name,
             "command": "python -m pipelines.evaluate " + shlex.join(argv),
             "corpus_rows": plan.num_rows, "corpus_valid": n_valid, "sample": len(wanted),
             "exact_rows": sum(wanted.values()), "token_types": list(TYPES),
@@ -341,51 +307,6 @@ def run(cfg: EvalConfig, argv: list[str]) -> dict:
     return meta
 
 
-def build_parser(prog: str) -> argparse.ArgumentParser:
-    d = EvalConfig()
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=EPILOG)
-    p.add_argument("--input", nargs="+", required=True, metavar="URI",
-                   help="corpus files or folders (local, s3://, gs://), hf://name[@split] or "
-                        "demo[:N], as for the compression job")
-    p.add_argument("--format", default=d.format, choices=("auto", "jsonl", "parquet"))
-    p.add_argument("--adapter", default=d.adapter, choices=ADAPTERS)
-    p.add_argument("--columns", default="", help="generic adapter's columns, e.g. question=q,cot=c")
-    p.add_argument("--model", default=d.model, help=f"model spec (default: {d.model})")
-    p.add_argument("--methods", default=",".join(d.methods),
-                   help=f"comma-separated, from: {', '.join(ALL_METHODS)} (default: all)")
-    p.add_argument("--budgets", default=",".join(map(str, d.budgets)),
-                   help="retention budgets γ (default: 0.3,0.5,0.7,0.9)")
-    p.add_argument("--sample", type=int, default=d.sample, help="chains to evaluate (default: 200)")
-    p.add_argument("--seed", type=int, default=d.seed, help="sample and uniform-baseline seed")
-    p.add_argument("--unit", default=d.unit, choices=("token", "word"),
-                   help="prune single tokens (the paper's ⌈γT⌉, default) or whole words")
-    p.add_argument("--template", default=d.template, choices=TEMPLATES)
-    p.add_argument("--dtype", default=d.dtype)
-    p.add_argument("--alpha", type=float, default=d.alpha)
-    p.add_argument("--style", default=d.style, choices=("auto", "gsm8k", "math"),
-                   help="answer normalisation and intermediate results (default: the adapter's)")
-    p.add_argument("--exact-n", type=int, default=d.exact_n,
-                   help="chains (from the shortest quarter) for exact interventions (default: 8)")
-    p.add_argument("--exact-layers", default="auto",
-                   help="blocks for exact interventions, comma-separated (default: 1/4, 1/2, 3/4 of the depth)")
-    p.add_argument("--extra-new", type=int, default=d.extra_new,
-                   help="greedy decoding stops after len(gold answer) + this many tokens")
-    p.add_argument("--output", default=d.output, help=f"results folder (default: {d.output})")
-    p.add_argument("--mode", default=d.mode, choices=("resume", "overwrite"))
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="chains per actor call")
-    p.add_argument("--batch-tokens", type=int, default=d.batch_tokens,
-                   help="padded tokens per forward pass")
-    p.add_argument("--actors", default="1", help="N or MIN,MAX model replicas")
-    p.add_argument("--cpus-per-actor", type=float, default=d.cpus_per_actor)
-    p.add_argument("--gpus-per-actor", default=None)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads per CPU actor (default: --cpus-per-actor)")
-    p.add_argument("--address", default=None, help="Ray cluster (default: $RAY_ADDRESS or local)")
-    return p
-
-
 EPILOG = """\
 examples:
   python -m pipelines.evaluate --input ../shared/data/gsm8k/test.jsonl --adapter gsm8k \\
@@ -394,27 +315,9 @@ examples:
 """
 
 
-def parse_args(argv: list[str], prog: str) -> EvalConfig:
-    a = build_parser(prog).parse_args(argv)
-    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in ALL_METHODS]
-    if bad or not methods:
-        raise ConfigError(f"unknown methods {bad}; choose from {', '.join(ALL_METHODS)}")
-    budgets = sorted(set(parse_floats(a.budgets)))
-    if not budgets or any(not 0 < b <= 1 for b in budgets):
-        raise ConfigError(f"budgets must lie in (0, 1], got {a.budgets}")
-    if a.sample < 1:
-        raise ConfigError("sample must be at least 1")
-    layers = None if a.exact_layers == "auto" else [int(x) for x in a.exact_layers.split(",") if x]
-    return EvalConfig(
-        input=list(a.input), format=a.format, adapter=a.adapter, columns=parse_columns(a.columns),
-        model=a.model, methods=methods, budgets=budgets, sample=a.sample, seed=a.seed,
-        unit=a.unit, template=a.template, dtype=a.dtype, alpha=a.alpha, style=a.style,
-        exact_n=a.exact_n, exact_layers=layers, extra_new=a.extra_new, output=a.output,
-        mode=a.mode, batch_size=a.batch_size, batch_tokens=a.batch_tokens,
-        actors=parse_actors(a.actors), cpus_per_actor=a.cpus_per_actor,
-        gpus_per_actor=None if a.gpus_per_actor in (None, "auto") else float(a.gpus_per_actor),
-        threads=a.threads, address=a.address)
+def parse_args(argv: list[str] | None, prog: str) -> EvalConfig:
+    """The evaluation's settings from its command line (and the YAML file --config names)."""
+    return parse(EvalConfig, argv, prog, __doc__.split("\n\n")[0], EPILOG)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m pipelines.evaluate") -> int:

@@ -18,7 +18,7 @@ from mist_core.errors import InvalidExample
 from mist_core.examples import _row_id, stable_id
 
 from . import errors, runtime, stages, storage
-from .config import parse_actors, parse_columns
+from .settings import parse_actors, parse_columns
 from .errors import ConfigError, ModelLoadError
 from .sources import check_submitted_paths, read_raw, resolve_inputs
 

@@ -22,7 +22,8 @@ from mist_core.formats import budget_label
 from mist_core.templates import TEMPLATES
 
 from . import errors, stages
-from .config import ConfigError, parse_columns, parse_floats
+from .errors import ConfigError
+from .settings import parse_columns, parse_floats
 
 ROWS = ("necessity", "sufficiency", "unified")
 CMAPS = {"necessity": "Reds", "sufficiency": "Blues", "unified": "Purples"}

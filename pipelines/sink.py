@@ -31,7 +31,7 @@ from mist_core.reasons import FAILURE_REASONS
 
 from . import storage
 from .budget import ErrorBudget
-from .config import JobConfig
+from .settings import JobConfig
 from .errors import ErrorBudgetExceeded
 from .stages import OK, REJECT, SKIP
 

@@ -18,7 +18,7 @@ import time
 import pyarrow as pa
 
 from . import loop, runtime, storage
-from .config import parse_floats
+from .settings import parse_floats
 from .errors import ConfigError
 
 RESULT_SCHEMA = pa.schema([

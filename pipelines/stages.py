@@ -23,7 +23,7 @@ from mist_core.prune import prune_scores, token_pieces
 from mist_core.templates import Encoded
 
 from . import faults, placement
-from .config import JobConfig
+from .settings import JobConfig
 from .errors import ModelLoadError
 
 log = logging.getLogger(__name__)

@@ -100,7 +100,7 @@ def parse_only(main, argv: list[str]) -> None:
 def check_python(module: str, argv: list[str]) -> None:
     """Parse a `python -m module …` command line as that program does, settings checked."""
     if module == "pipelines.compress" and "--help" not in argv:
-        from pipelines.config import parse_args
+        from pipelines.compress import parse_args
 
         parse_args(argv)
     elif module == "pipelines.evaluate" and "--help" not in argv:
@@ -201,7 +201,7 @@ def workdir(tmp_path_factory, model_dir):
     """A folder like the checkout after the demo: outputs/demo written by the job (tiny
     model, with scores/ and one reject), outputs/gsm8k with alpaca records."""
     from pipelines import compress
-    from pipelines.config import JobConfig, validate
+    from pipelines.settings import JobConfig, validate
 
     work = tmp_path_factory.mktemp("work")
     corpus = work / "corpus.jsonl"

@@ -25,7 +25,8 @@ from mist_core import reasons
 from mist_core.formats import REJECT_SCHEMA
 from mist_core.models import wrap_model
 from mist_core.scorer import combine, zscore
-from pipelines.config import ConfigError, parse_args
+from pipelines.compress import parse_args
+from pipelines.settings import ConfigError
 from pipelines.output import Output
 from pipelines.budget import ErrorBudget
 from pipelines.sink import WriteStats

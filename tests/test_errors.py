@@ -100,6 +100,25 @@ def test_every_reason_the_code_names_is_declared():
     assert set(FAILURES) == {"score_error", "nonfinite_scores", "prune_error", "unexpected_error"}
 
 
+def test_each_reason_is_decided_where_the_table_says():
+    """The file the README names for a reason rejects with it: the code literally, its
+    constant (SCORE_ERROR), or an f-string that makes it (f"empty_{field}")."""
+    import re
+    from pathlib import Path
+
+    from mist_core.reasons import REASONS, WHERE
+
+    root = Path(__file__).resolve().parents[1]
+    assert set(WHERE) == set(REASONS)
+    for reason, where in WHERE.items():
+        text = (root / where).read_text(encoding="utf-8")
+        patterns = [re.sub(r"\\\{\w+\\\}", r"\\w+", re.escape(p))
+                    for p in re.findall(r'f"([\w{}]+)"', text)]
+        assert (f'"{reason}"' in text or re.search(rf"\b{reason.upper()}\b", text)
+                or any(re.fullmatch(p, reason) for p in patterns if "{" not in p)), \
+            f"{where} does not reject with {reason}"
+
+
 def test_the_readme_table_of_reasons_is_current():
     from pathlib import Path
 

@@ -9,12 +9,13 @@ import math
 import pytest
 
 from pipelines import evaluate, report, saliency
+from pipelines.results import ALL_METHODS
 
 from conftest import make_model
 
 pytestmark = pytest.mark.integration  # pipelines.evaluate on an in-process Ray
 
-METHODS = [m for m in evaluate.ALL_METHODS if m != "llmlingua2"]  # needs the hub: not in CI
+METHODS = [m for m in ALL_METHODS if m != "llmlingua2"]  # needs the hub: not in CI
 
 
 @pytest.fixture(scope="module", autouse=True)

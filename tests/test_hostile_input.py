@@ -27,7 +27,7 @@ from mist_core.demo import demo_corpus
 from mist_core.examples import stable_id
 from mist_core.formats import extra_value, kinds_type, value_kind
 from pipelines import compress, storage
-from pipelines.config import JobConfig, validate
+from pipelines.settings import JobConfig, validate
 
 BUDGETS = [0.5, 0.8]
 

@@ -17,7 +17,7 @@ from mist_core.demo import demo_corpus
 from mist_core.formats import (DATA_COLUMNS, REJECT_SCHEMA, directive, llamafactory_entry,
                                sft_records)
 from pipelines import compress
-from pipelines.config import JobConfig, validate
+from pipelines.settings import JobConfig, validate
 from pipelines.sources import RAW_SCHEMA
 from pipelines.stages import REJECT, prepare_batch
 

@@ -18,7 +18,8 @@ from mist_core.formats import (budget_label, data_rows, data_schema, directive, 
 from pipelines import storage
 from pipelines.cli import main as cli_main
 from pipelines.compress import AccountingError, Plan, reconcile
-from pipelines.config import ConfigError, JobConfig, from_mapping, parse_args
+from pipelines.compress import parse_args
+from pipelines.settings import ConfigError, JobConfig, from_mapping
 from pipelines.output import Existing
 from pipelines.sink import WriteStats
 from pipelines.sources import jsonl_lines, parse_hf
@@ -170,7 +171,7 @@ def test_yaml_then_flags(tmp_path):
     ({"device": "cuda", "gpus_per_actor": 0}, "device cuda needs a GPU"),
 ])
 def test_bad_settings_say_why(values, message):
-    from pipelines.config import validate
+    from pipelines.settings import validate
 
     with pytest.raises(ConfigError, match=message):
         validate(from_mapping(values))

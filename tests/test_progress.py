@@ -20,7 +20,8 @@ import pytest
 
 from mist_core.demo import demo_corpus
 from pipelines import compress, placement, sources, stages, storage
-from pipelines.config import ConfigError, JobConfig, parse_args
+from pipelines.compress import parse_args
+from pipelines.settings import ConfigError, JobConfig
 
 REPO = Path(__file__).resolve().parents[1]
 LINE = re.compile(r"\[progress\] (\d+)/(\d+) chains scored \((\d+)%\), ([\d.e+-]+) chains/s, "

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from pipelines import compress, sources, stages, storage
-from pipelines.config import ConfigError, JobConfig, parse_args, validate
+from pipelines.compress import parse_args
+from pipelines.settings import ConfigError, JobConfig, validate
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -22,7 +22,7 @@ from conftest import loopback_ray
 from fault_proxy import FaultProxy
 from mist_core.demo import demo_corpus
 from pipelines import compress
-from pipelines.config import JobConfig, validate
+from pipelines.settings import JobConfig, validate
 from s3_server import SECRET_KEY, environ_patch, keys, moto_s3, s3_client, s3_env
 
 pytestmark = pytest.mark.integration  # moto_server, the job on Ray and in subprocesses

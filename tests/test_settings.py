@@ -1,0 +1,81 @@
+"""One settings model for the job and the evaluation (pipelines/settings.py): each setting
+declared once, the same from flags, YAML and Python, the parsers built from it."""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from pipelines import compress, evaluate
+from pipelines.settings import (ConfigError, EvalConfig, JobConfig, Settings, build_parser,
+                                from_mapping, validate)
+
+
+def _help(kind, prog="p") -> dict[str, str]:
+    """flag -> its help text, from a settings class's parser."""
+    p = build_parser(kind, prog, "")
+    return {a.option_strings[0]: a.help for a in p._actions if a.option_strings}
+
+
+def test_shared_settings_have_one_declaration():
+    """A setting both commands take reads and checks the same way in both, unless a command
+    declares it again on purpose (another default or meaning)."""
+    job, ev = _help(JobConfig), _help(EvalConfig)
+    redeclared = {"input", "budgets"}  # required in eval; other defaults
+    for name in Settings.model_fields:
+        flag = "--" + name.replace("_", "-")
+        assert (job[flag] == ev[flag]) == (name not in redeclared), flag
+    # every setting is a flag and every flag a setting
+    for kind, flags in ((JobConfig, job), (EvalConfig, ev)):
+        assert set(flags) - {"-h", "--config"} == {"--" + n.replace("_", "-")
+                                                    for n in kind.model_fields}
+
+
+def test_the_help_shows_each_declared_default():
+    job = _help(JobConfig)
+    assert job["--batch-size"].endswith("(default: 32)")
+    assert job["--budgets"].endswith("(default: 0.5,0.6,0.7,0.8,0.9)")
+    assert "(default:" not in job["--scores"]  # a switch, off unless given
+    assert _help(EvalConfig)["--input"].endswith("(required)")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--input", "x", "--alpha", "2"], "alpha must lie in \\[0, 1\\]"),
+    (["--input", "x", "--sample", "0"], "sample must be at least 1"),
+    (["--input", "x", "--methods", "mist,magic"], "unknown methods \\['magic'\\]"),
+    (["--input", "x", "--budgets", "0"], "budgets must lie in"),
+    (["--input", "x", "--batch-size", "many"], "batch_size: Input should be a valid integer"),
+    ([], "input is required"),
+])
+def test_evaluation_settings_are_checked_like_the_job(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        evaluate.parse_args(argv, "mist eval")
+
+
+def test_yaml_flags_and_python_agree(tmp_path):
+    (tmp_path / "eval.yaml").write_text("input: [a.jsonl]\nadapter: gsm8k\nbudgets: [0.7, 0.3]\n"
+                                        "exact-layers: 2,4\nactors: 1,2\n")
+    from_yaml = evaluate.parse_args(["--config", str(tmp_path / "eval.yaml"), "--sample", "5"],
+                                    "mist eval")
+    from_flags = evaluate.parse_args(["--input", "a.jsonl", "--adapter", "gsm8k", "--budgets",
+                                      "0.3,0.7", "--exact-layers", "2,4", "--actors", "1,2",
+                                      "--sample", "5"], "mist eval")
+    from_python = EvalConfig(input=["a.jsonl"], adapter="gsm8k", budgets=[0.3, 0.7],
+                             exact_layers=[2, 4], actors=(1, 2), sample=5)
+    assert from_yaml == from_flags == from_python
+    assert from_python.budgets == [0.3, 0.7] and from_python.gpus_per_actor is None
+    job = compress.parse_args(["--input", "a.jsonl", "--gpus-per-actor", "auto",
+                               "--max-memory", "1GB", "--sft-format", "chat"])
+    assert job == JobConfig(input=["a.jsonl"], max_memory=2**30, sft_format="messages")
+
+
+def test_settings_are_frozen_whole_values():
+    cfg = JobConfig(budgets="0.9,0.5,0.9")
+    assert cfg.budgets == [0.5, 0.9]  # sorted, once each
+    with pytest.raises(Exception):
+        cfg.batch_size = 1  # a stage gets the settings whole and cannot change them
+    assert validate(cfg) == cfg and pickle.loads(pickle.dumps(cfg)) == cfg  # Ray ships them
+    assert from_mapping({"batch-size": 8}, cfg).batch_size == 8
+    assert cfg.to_dict()["actors"] == [1, 1]  # JSON values, for manifests
+    with pytest.raises(ConfigError, match="unknown setting 'bogus'"):
+        JobConfig(bogus=1)
