@@ -5,45 +5,69 @@ from __future__ import annotations
 
 _TEXT_FIELDS = ("question", "cot", "answer", "solution")
 
+# Where each reason is decided: the README's table names the file, so that a reader finds
+# in one step where a row is rejected (a test checks that each file names its reasons).
+STAGES = "pipelines/stages.py"  # the job's reading of a raw row, and its score/prune stages
+ADAPTERS = "mist_core/examples.py"  # the adapters: a row's fields
+LONGCOT = "mist_core/longcot.py"  # the long-CoT adapters
+TEMPLATES = "mist_core/templates.py"  # tokenizing in the model's prompt template
+SCORER = "mist_core/scorer.py"
+WHERE: dict[str, str] = {}
+
+
+def _declare(where: str, reasons: dict[str, str]) -> dict[str, str]:
+    WHERE.update(dict.fromkeys(reasons, where))
+    return reasons
+
+
 # code -> what it means, in the words a rejects/ row's `detail` falls back to
 INPUT = {
     # reading a file
-    "unreadable_file": "the file could not be read or parsed (the rows before the damage are kept)",
-    "invalid_utf8": "the line is not valid UTF-8",
-    "invalid_json": "the line is not valid JSON, or is nested too deeply",
-    "not_an_object": "the line is JSON but not an object",
-    "lone_surrogate": "a text holds a lone UTF-16 surrogate, which Arrow cannot write",
+    **_declare(STAGES, {
+        "unreadable_file": "the file could not be read or parsed (the rows before the damage "
+                           "are kept)",
+        "invalid_utf8": "the line is not valid UTF-8",
+        "invalid_json": "the line is not valid JSON, or is nested too deeply",
+        "not_an_object": "the line is JSON but not an object",
+        "lone_surrogate": "a text holds a lone UTF-16 surrogate, which Arrow cannot write"}),
     # a row's fields, as the adapter reads them
-    "missing_column": "none of the columns the adapter reads for a field is in the row",
-    **{f"{f}_not_string": f"{f} is not a string" for f in _TEXT_FIELDS},
-    **{f"empty_{f}": f"{f} is empty or only whitespace" for f in _TEXT_FIELDS},
-    **{f"null_byte_in_{f}": f"{f} contains a NUL character (U+0000)" for f in _TEXT_FIELDS},
-    "id_not_string": "the id column is neither a string nor an integer",
-    "empty_id": "the id column is empty",
-    "duplicate_id": "the id repeats an earlier row's in this input",
-    "no_final_answer": "the solution has no final answer (GSM8K's '####' line, a \\boxed{…})",
-    # long-CoT corpora (mist_core/longcot.py)
-    "no_thinking_block": "no </think> or <|end_of_thought|> closes a thinking block",
-    "no_correct_generation": "none of the row's generations is marked correct",
-    "malformed_generations": "generations or their per-generation flags have the wrong shape",
-    "malformed_conversations": "conversations is not one (system,) user, assistant exchange",
-    "malformed_messages": "messages is not one (system,) user, assistant exchange",
+    **_declare(ADAPTERS, {
+        "missing_column": "none of the columns the adapter reads for a field is in the row",
+        **{f"{f}_not_string": f"{f} is not a string" for f in _TEXT_FIELDS},
+        **{f"empty_{f}": f"{f} is empty or only whitespace" for f in _TEXT_FIELDS},
+        **{f"null_byte_in_{f}": f"{f} contains a NUL character (U+0000)" for f in _TEXT_FIELDS},
+        "id_not_string": "the id column is neither a string nor an integer",
+        "empty_id": "the id column is empty"}),
+    **_declare(STAGES, {"duplicate_id": "the id repeats an earlier row's in this input"}),
+    **_declare(ADAPTERS, {
+        "no_final_answer": "the solution has no final answer (GSM8K's '####' line, a "
+                           "\\boxed{…})"}),
+    # long-CoT corpora
+    **_declare(LONGCOT, {
+        "no_thinking_block": "no </think> or <|end_of_thought|> closes a thinking block",
+        "no_correct_generation": "none of the row's generations is marked correct",
+        "malformed_generations": "generations or their per-generation flags have the wrong "
+                                 "shape",
+        "malformed_conversations": "conversations is not one (system,) user, assistant exchange",
+        "malformed_messages": "messages is not one (system,) user, assistant exchange"}),
     # tokenizing for the model
-    "cot_no_tokens": "the chain tokenizes to nothing",
-    "answer_no_tokens": "the answer tokenizes to nothing",
-    "span_overlap": "the chain and the answer share a token",
-    "too_long": "the chain, question and answer exceed the model's context",
+    **_declare(TEMPLATES, {
+        "cot_no_tokens": "the chain tokenizes to nothing",
+        "answer_no_tokens": "the answer tokenizes to nothing",
+        "span_overlap": "the chain and the answer share a token",
+        "too_long": "the chain, question and answer exceed the model's context"}),
     # scoring
-    "too_long_for_memory": "the chain cannot be scored within --max-memory even alone",
+    **_declare(SCORER, {
+        "too_long_for_memory": "the chain cannot be scored within --max-memory even alone"}),
 }
 # The job's or the model's failures on a row that was fine as far as anyone can tell: they
 # count against --max-error-share, and a later run redoes them.
-FAILURES = {
+FAILURES = _declare(STAGES, {
     "score_error": "the scorer raised",
     "nonfinite_scores": "the model gave NaN or inf (log-likelihoods, gradients or raw axes)",
     "prune_error": "pruning raised",
     "unexpected_error": "validating or tokenizing raised (a bug, not a reason)",
-}
+})
 REASONS = {**INPUT, **FAILURES}
 FAILURE_REASONS = frozenset(FAILURES)
 
@@ -61,7 +85,8 @@ def words(reason: str) -> str:
 
 def markdown_table() -> str:
     """The README's table of reasons."""
-    rows = ["| reason | meaning | counts against `--max-error-share` |", "|---|---|---|"]
+    rows = ["| reason | meaning | decided in | counts against `--max-error-share` |",
+            "|---|---|---|---|"]
     rows += [f"| `{r}` | {m.replace('<', '&lt;').replace('|', chr(92) + '|')} | "
-             f"{'yes' if r in FAILURES else 'no'} |" for r, m in REASONS.items()]
+             f"`{WHERE[r]}` | {'yes' if r in FAILURES else 'no'} |" for r, m in REASONS.items()]
     return "\n".join(rows) + "\n"
