@@ -7,7 +7,8 @@ _TEXT_FIELDS = ("question", "cot", "answer", "solution")
 
 # Where each reason is decided: the README's table names the file, so that a reader finds
 # in one step where a row is rejected (a test checks that each file names its reasons).
-STAGES = "pipelines/stages.py"  # the job's reading of a raw row, and its score/prune stages
+ROWS = "pipelines/rows.py"  # a raw corpus row read (the job, the evaluation, the loop)
+STAGES = "pipelines/stages.py"  # the job's stages: duplicates, score, prune
 ADAPTERS = "mist_core/examples.py"  # the adapters: a row's fields
 LONGCOT = "mist_core/longcot.py"  # the long-CoT adapters
 TEMPLATES = "mist_core/templates.py"  # tokenizing in the model's prompt template
@@ -23,7 +24,7 @@ def _declare(where: str, reasons: dict[str, str]) -> dict[str, str]:
 # code -> what it means, in the words a rejects/ row's `detail` falls back to
 INPUT = {
     # reading a file
-    **_declare(STAGES, {
+    **_declare(ROWS, {
         "unreadable_file": "the file could not be read or parsed (the rows before the damage "
                            "are kept)",
         "invalid_utf8": "the line is not valid UTF-8",

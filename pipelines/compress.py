@@ -23,7 +23,7 @@ from mist_core import reasons
 from mist_core.formats import (DATA_COLUMNS, REJECT_SCHEMA, SCORES_SCHEMA, budget_label,
                                data_schema, fits, kinds_type, sft_budgets, sft_format_name)
 
-from . import errors, placement, runtime, stages, storage
+from . import errors, placement, rows, runtime, stages, storage
 from .settings import JobConfig, parse
 from .errors import AccountingError, ConfigError, ErrorBudgetExceeded, causes
 from .output import Existing, Output
@@ -298,7 +298,7 @@ def run(cfg: JobConfig) -> dict:
 
     try:
         _, model_name = resolve(cfg.model)
-        stages.template_for(cfg.model, cfg.template, cfg.trust_remote_code)
+        rows.template_for(cfg.model, cfg.template, cfg.trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot load the tokenizer of --model {cfg.model}: {e}") from None
     runtime.init_ray(cfg.address, cfg.actors, cfg.cpus_per_actor)

@@ -29,7 +29,8 @@ import ray
 from mist_core.errors import InvalidExample, MissingDependency
 from mist_core.taxonomy import TYPES
 
-from . import errors, runtime, stages
+from . import errors, runtime
+from .rows import parse_row, template_for
 from .errors import ConfigError
 from .settings import EvalConfig, parse
 from .results import BASELINES, POSITIONAL, RESULTS, RUN, read_records, variant_name
@@ -81,7 +82,7 @@ class EvalActor:
         for r in rows:
             rec = {"source": r["source"], "row": r["row"], "status": "ok"}
             try:
-                ex, _ = stages.parse_row(r["raw"], self.cfg.adapter, self.cfg.columns)
+                ex, _ = parse_row(r["raw"], self.cfg.adapter, self.cfg.columns)
                 rec["id"] = ex.key
                 todo.append((rec, self.mist.encode(ex), r["exact"]))
             except InvalidExample as e:
@@ -181,7 +182,7 @@ def plan_rows(batch: pa.Table, *, adapter: str, columns: dict) -> pa.Table:
     keys, lengths = [], []
     for raw in batch.column("raw").to_pylist():
         try:
-            ex, _ = stages.parse_row(raw, adapter, columns)
+            ex, _ = parse_row(raw, adapter, columns)
             keys.append(ex.key)
             lengths.append(len(ex.cot))
         except InvalidExample:
@@ -258,7 +259,7 @@ def run(cfg: EvalConfig, argv: list[str]) -> dict:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _, model_name = resolve(cfg.model)
-    stages.template_for(cfg.model, cfg.template)  # a bad --model or template fails here
+    template_for(cfg.model, cfg.template)  # a bad --model or template fails here
     done = load_done(out, cfg)
     runtime.init_ray(cfg.address, cfg.actors, cfg.cpus_per_actor)
 

@@ -17,7 +17,8 @@ import ray
 from mist_core.errors import InvalidExample
 from mist_core.examples import _row_id, stable_id
 
-from . import errors, runtime, stages, storage
+from . import errors, runtime, storage
+from .rows import parse_examples
 from .settings import parse_actors, parse_columns
 from .errors import ConfigError, ModelLoadError
 from .sources import check_submitted_paths, read_raw, resolve_inputs
@@ -67,7 +68,7 @@ def question_batch(batch: pa.Table, *, adapter: str, columns: dict) -> pa.Table:
                     raise InvalidExample("not_an_object")
                 row["id"], row["question"], row["answer"] = _generic_question(obj, columns)
             else:
-                examples, _ = stages.parse_examples(rec["raw"], adapter, columns)
+                examples, _ = parse_examples(rec["raw"], adapter, columns)
                 ex = examples[0]
                 row["id"], row["question"], row["answer"] = ex.key, ex.question, ex.answer
         except InvalidExample as e:

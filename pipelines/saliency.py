@@ -21,7 +21,8 @@ from mist_core.examples import ADAPTERS
 from mist_core.formats import budget_label
 from mist_core.templates import TEMPLATES
 
-from . import errors, stages
+from . import errors
+from .rows import parse_row
 from .errors import ConfigError
 from .settings import parse_columns, parse_floats
 
@@ -42,7 +43,7 @@ def read_example(inputs: list[str], adapter: str, columns: dict, row: int, fmt: 
         lambda t: t.filter(pc.equal(t["row"], row)), batch_format="pyarrow").take_all()
     if not found:
         raise ConfigError(f"no row {row} in {inputs}")
-    ex, _ = stages.parse_row(sorted(found, key=lambda r: r["source"])[0]["raw"], adapter, columns)
+    ex, _ = parse_row(sorted(found, key=lambda r: r["source"])[0]["raw"], adapter, columns)
     return ex
 
 

@@ -23,7 +23,7 @@ from pipelines.settings import ConfigError, JobConfig, from_mapping
 from pipelines.output import Existing
 from pipelines.sink import WriteStats
 from pipelines.sources import jsonl_lines, parse_hf
-from pipelines.stages import parse_row
+from pipelines.rows import parse_row
 
 # ------------------------------------------------------------------ formats
 

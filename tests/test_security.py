@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import compress, sources, stages, storage
+from pipelines import compress, rows, sources, stages, storage
 from pipelines.compress import parse_args
 from pipelines.settings import ConfigError, JobConfig, validate
 
@@ -40,9 +40,9 @@ def remote_code_model(tmp_path, tokenizer, monkeypatch):
     marker = tmp_path / "marker"
     monkeypatch.setenv("MIST_TEST_MARKER", str(marker))
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
-    stages.template_for.cache_clear()
+    rows.template_for.cache_clear()
     yield path, marker
-    stages.template_for.cache_clear()
+    rows.template_for.cache_clear()
 
 
 def test_remote_code_runs_only_with_the_flag(remote_code_model, tmp_path):
@@ -56,7 +56,7 @@ def test_remote_code_runs_only_with_the_flag(remote_code_model, tmp_path):
     assert not marker.exists()
 
     assert parse_args(["--model", str(path), "--trust-remote-code"]).trust_remote_code is True
-    stages.template_for(str(path), "auto", True)
+    rows.template_for(str(path), "auto", True)
     assert marker.read_text() == "remote code ran"
 
 
