@@ -268,6 +268,9 @@ def combine(necessity: np.ndarray | None, sufficiency: np.ndarray | None,
     return alpha * nec + (1.0 - alpha) * suf
 
 
+LAYER_WEIGHTS = ("signed", "clipped")
+
+
 class MistScorer(BackpropScorer):
     """First-order MIST: one no-chain pass and one source pass per batch, each a forward
     and a backward to the residual stream (no parameter gradients). The per-layer terms
@@ -277,15 +280,22 @@ class MistScorer(BackpropScorer):
 
     axes: ("necessity", "sufficiency") or one of them; layers: block numbers 1..L to
     aggregate over (default all); share_prefix: continue the question prefix's cached keys
-    and values in the source pass (None: where the cost model says it pays)."""
+    and values in the source pass (None: where the cost model says it pays);
+    layer_weights: how Eq. 7 weighs the layers: "signed" (the paper: c̄_l as Eq. 6 gives
+    it, so a layer whose logit-lens contribution falls counts against a token) or "clipped"
+    (max(c̄_l, 0): such a layer counts for nothing), a variant the downstream testbed tries
+    (docs/results/downstream.md). `layer_weights` on the result is always Eq. 6's c̄."""
 
     method = "mist"
 
     def __init__(self, lm: LM, alpha: float = 0.6, axes: Sequence[str] = AXES,
                  layers: Sequence[int] | None = None, share_prefix: bool | None = None,
-                 **kwargs):
+                 layer_weights: str = "signed", **kwargs):
         super().__init__(lm, **kwargs)
         self.share_prefix = share_prefix
+        if layer_weights not in LAYER_WEIGHTS:
+            raise ValueError(f"layer_weights must be one of {LAYER_WEIGHTS}, not {layer_weights!r}")
+        self.layer_weights = layer_weights
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must lie in [0, 1], not {alpha}")
         bad = set(axes) - set(AXES)
@@ -399,16 +409,17 @@ class MistScorer(BackpropScorer):
             ce = cs + enc.chain_len
             p = proj_t[:, b, cs:ce]
             cbar = (p[1:] - p[:-1]).mean(1)[layer_idx - 1]  # Eq. 6, [Lsel]
+            w = cbar.clamp(min=0) if self.layer_weights == "clipped" else cbar
             fields = {"layer_weights": cbar, "layers": np.asarray(self.layers),
                       "log_likelihood": ll_src[b]}
             if nec:
                 per_layer = torch.stack([x[b, cs:ce] for x in phi])
                 fields.update(necessity_per_layer=per_layer,
-                              necessity=(cbar[:, None] * per_layer.abs()).sum(0))  # Eq. 7
+                              necessity=(w[:, None] * per_layer.abs()).sum(0))  # Eq. 7
             if suff:
                 per_layer = torch.stack([x[b, cs:ce] for x in psi])
                 fields.update(sufficiency_per_layer=per_layer,
-                              sufficiency=(cbar[:, None] * per_layer.abs()).sum(0),  # Eq. 7
+                              sufficiency=(w[:, None] * per_layer.abs()).sum(0),  # Eq. 7
                               nochain_log_likelihood=ll_tgt[b])
             # NaN or inf in the log-likelihoods or the raw axes (which carry the gradients,
             # the states and the layer weights) fails the chain: normalised, a NaN axis

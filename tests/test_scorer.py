@@ -41,6 +41,26 @@ def test_alpha_weights_the_axes(tiny_lm64, examples):
     np.testing.assert_allclose(nec.scores.std(), 1, atol=1e-9)
 
 
+def test_clipped_layer_weights_drop_the_layers_that_count_against(tiny_lm64, examples):
+    """layer_weights="clipped" (a variant): Eq. 7 with max(c̄_l, 0), from the plain-autograd
+    reference's per-layer terms; the reported c̄ and per-layer terms are the paper's."""
+    clipped = MistScorer(tiny_lm64, layer_weights="clipped")
+    signed = MistScorer(tiny_lm64)
+    negative = 0
+    for ex, got, paper in zip(examples, clipped.score(examples), signed.score(examples)):
+        ref = first_order(tiny_lm64, clipped.encode(ex))
+        w = np.maximum(ref["layer_weights"], 0)[:, None]
+        for axis in ("necessity", "sufficiency"):
+            np.testing.assert_allclose(getattr(got, axis),
+                                       (w * np.abs(ref[f"{axis}_per_layer"])).sum(0),
+                                       rtol=1e-5, atol=1e-9, err_msg=axis)
+        np.testing.assert_allclose(got.layer_weights, paper.layer_weights, rtol=1e-10)
+        negative += (ref["layer_weights"] < 0).any()
+    assert negative  # some chain has a layer that counts against: the variants differ there
+    with pytest.raises(ValueError, match="layer_weights"):
+        MistScorer(tiny_lm64, layer_weights="absolute")
+
+
 def test_layer_restriction_keeps_the_selected_rows(tiny_lm64, examples):
     full = MistScorer(tiny_lm64).score(examples[:1])[0]
     part = MistScorer(tiny_lm64, layers=[2, 4]).score(examples[:1])[0]
