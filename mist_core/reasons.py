@@ -8,7 +8,7 @@ _TEXT_FIELDS = ("question", "cot", "answer", "solution")
 # Where each reason is decided: the README's table names the file, so that a reader finds
 # in one step where a row is rejected (a test checks that each file names its reasons).
 ROWS = "pipelines/rows.py"  # a raw corpus row read (the job, the evaluation, the loop)
-STAGES = "pipelines/stages.py"  # the job's stages: duplicates, score, prune
+STAGES = "pipelines/job/stages.py"  # the job's stages: duplicates, score, prune
 ADAPTERS = "mist_core/examples.py"  # the adapters: a row's fields
 LONGCOT = "mist_core/longcot.py"  # the long-CoT adapters
 TEMPLATES = "mist_core/templates.py"  # tokenizing in the model's prompt template

@@ -4,6 +4,5 @@ saliency (the evaluation), bench and soak (the benchmarks), generate, train, sol
 testbed (the distillation loop). Shared by all: settings.py (every setting, declared once),
 errors.py (exit statuses, the one `error:` line), runtime.py (Ray, actor pools, GPUs),
 rows.py (a corpus row into examples), sources.py and storage.py (reading corpora, object
-storage). The job's internals: stages.py (validate, score, prune), sink.py and output.py
-(writing), placement.py (where actors run, progress), budget.py (the error budget),
-faults.py (fault injection for tests)."""
+storage). The compression job's internals are in job/ (stages, writer, output folder,
+placement and progress, error budget, injected faults)."""

@@ -23,12 +23,13 @@ from mist_core import reasons
 from mist_core.formats import (DATA_COLUMNS, REJECT_SCHEMA, SCORES_SCHEMA, budget_label,
                                data_schema, fits, kinds_type, sft_budgets, sft_format_name)
 
-from . import errors, placement, rows, runtime, stages, storage
+from . import errors, rows, runtime, storage
+from .job import placement, stages
 from .settings import JobConfig, parse
 from .errors import AccountingError, ConfigError, ErrorBudgetExceeded, causes
-from .output import Existing, Output
-from .budget import ErrorBudget, start_tally
-from .sink import OutputSink, WriteStats
+from .job.output import Existing, Output
+from .job.budget import ErrorBudget, start_tally
+from .job.sink import OutputSink, WriteStats
 from .sources import Input, check_submitted_paths, read_raw, resolve_inputs
 
 log = logging.getLogger("pipelines.compress")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import ray
 
-from . import faults
+from .job import faults
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 

@@ -74,7 +74,8 @@ def committed(out: Path) -> list[Path]:
 def test_gpu_placed_actors_survive_losing_a_worker_node(cluster, model_dir, tmp_path):
     import ray
 
-    from pipelines import compress, placement
+    from pipelines import compress
+    from pipelines.job import placement
 
     ids = corpus(tmp_path / "corpus.jsonl", 96)
     out = tmp_path / "out"

@@ -19,7 +19,7 @@ from mist_core.formats import (DATA_COLUMNS, REJECT_SCHEMA, directive, llamafact
 from pipelines import compress
 from pipelines.settings import JobConfig, validate
 from pipelines.sources import RAW_SCHEMA
-from pipelines.stages import REJECT, prepare_batch
+from pipelines.job.stages import REJECT, prepare_batch
 
 BUDGETS = [0.5, 0.8]
 

@@ -20,8 +20,8 @@ from pipelines.cli import main as cli_main
 from pipelines.compress import AccountingError, Plan, reconcile
 from pipelines.compress import parse_args
 from pipelines.settings import ConfigError, JobConfig, from_mapping
-from pipelines.output import Existing
-from pipelines.sink import WriteStats
+from pipelines.job.output import Existing
+from pipelines.job.sink import WriteStats
 from pipelines.sources import jsonl_lines, parse_hf
 from pipelines.rows import parse_row
 
@@ -202,7 +202,7 @@ def test_bad_config_file_exits_2(tmp_path, capsys):
 
 
 def test_device_setting_and_how_it_resolves(tmp_path):
-    from pipelines.placement import resolve_device
+    from pipelines.job.placement import resolve_device
 
     assert parse_args([]).device == "auto"
     assert parse_args(["--device", "cpu", "--gpus-per-actor", "1"]).device == "cpu"

@@ -19,7 +19,8 @@ import pyarrow as pa
 import pytest
 
 from mist_core.demo import demo_corpus
-from pipelines import compress, placement, sources, stages, storage
+from pipelines import compress, sources, storage
+from pipelines.job import placement, stages
 from pipelines.compress import parse_args
 from pipelines.settings import ConfigError, JobConfig
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import compress, rows, sources, stages, storage
+from pipelines import compress, rows, sources, storage
+from pipelines.job import stages
 from pipelines.compress import parse_args
 from pipelines.settings import ConfigError, JobConfig, validate
 
@@ -86,7 +87,7 @@ def test_output_may_not_overlap_an_input(tmp_path, output):
 
 
 def test_a_sibling_output_is_fine(tmp_path):
-    from pipelines.output import Output
+    from pipelines.job.output import Output
 
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "a.jsonl").write_text("{}\n")

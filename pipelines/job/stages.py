@@ -22,9 +22,9 @@ from mist_core.prune import prune_scores, token_pieces
 from mist_core.templates import Encoded
 
 from . import faults, placement
-from .rows import parse_examples, readable_id, template_for
-from .settings import JobConfig
-from .errors import ModelLoadError
+from ..rows import parse_examples, readable_id, template_for
+from ..settings import JobConfig
+from ..errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 

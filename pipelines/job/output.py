@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 
 from mist_core.formats import DATA_COLUMNS, LLAMAFACTORY_NAME, budget_label, llamafactory_entry
 
-from . import storage
-from .errors import ConfigError
+from .. import storage
+from ..errors import ConfigError
 from .sink import DIRS, reject_key
 
 MANIFEST = "_manifest.json"
