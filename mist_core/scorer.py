@@ -271,6 +271,13 @@ def combine(necessity: np.ndarray | None, sufficiency: np.ndarray | None,
 LAYER_WEIGHTS = ("signed", "clipped")
 
 
+def eq7_weights(cbar, layer_weights: str = "signed"):
+    """The layer weights Eq. 7 applies (torch or numpy): Eq. 6's c̄ as it is (signed, the
+    paper), or max(c̄, 0) (clipped: a layer whose logit-lens contribution falls counts for
+    nothing instead of against a token)."""
+    return cbar * (cbar > 0) if layer_weights == "clipped" else cbar
+
+
 class MistScorer(BackpropScorer):
     """First-order MIST: one no-chain pass and one source pass per batch, each a forward
     and a backward to the residual stream (no parameter gradients). The per-layer terms
@@ -409,7 +416,7 @@ class MistScorer(BackpropScorer):
             ce = cs + enc.chain_len
             p = proj_t[:, b, cs:ce]
             cbar = (p[1:] - p[:-1]).mean(1)[layer_idx - 1]  # Eq. 6, [Lsel]
-            w = cbar.clamp(min=0) if self.layer_weights == "clipped" else cbar
+            w = eq7_weights(cbar, self.layer_weights)
             fields = {"layer_weights": cbar, "layers": np.asarray(self.layers),
                       "log_likelihood": ll_src[b]}
             if nec:

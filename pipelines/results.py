@@ -10,11 +10,15 @@ from typing import Iterator
 
 from mist_core.formats import budget_label
 
-MIST_METHODS = ("mist", "necessity", "sufficiency")  # one MIST scoring gives all three
+# One MIST scoring gives all four (mist_clipped: MistScorer(layer_weights="clipped"), a
+# variant the downstream testbed tries).
+MIST_METHODS = ("mist", "necessity", "sufficiency", "mist_clipped")
 BASELINES = ("uniform", "perplexity", "attention_rollout", "h2o", "gogi_l1", "llmlingua2")
 POSITIONAL = ("head", "tail")  # keep the first / last tokens
 ENDS = ("full", "nochain")  # the whole chain / no chain
 ALL_METHODS = MIST_METHODS + BASELINES + POSITIONAL + ENDS
+VARIANTS = ("mist_clipped",)  # beyond the paper: evaluated when asked for (--methods)
+DEFAULT_METHODS = tuple(m for m in ALL_METHODS if m not in VARIANTS)
 RESULTS, RUN = "results.jsonl", "run.json"
 
 

@@ -344,6 +344,12 @@ def _method_names():
     return ALL_METHODS
 
 
+def _default_methods():
+    from .results import DEFAULT_METHODS
+
+    return DEFAULT_METHODS
+
+
 class EvalConfig(Settings):
     """The evaluation harness's settings (`mist eval`)."""
 
@@ -351,8 +357,9 @@ class EvalConfig(Settings):
                                metavar="URI")
     budgets: list[float] = setting([0.3, 0.5, 0.7, 0.9], "retention budgets γ, comma-separated",
                                    group="scoring", metavar="LIST")
-    methods: list[str] = setting(_method_names(), "methods to compare, comma-separated",
-                                 group="scoring", metavar="LIST", shown="all")
+    methods: list[str] = setting(list(_default_methods()), "methods to compare, comma-separated",
+                                 group="scoring", metavar="LIST",
+                                 shown="all but the variant mist_clipped")
     unit: str = setting("token", "prune single tokens (the paper's ⌈γT⌉) or whole words",
                         group="scoring", choices=UNITS)
     style: str = setting("auto", "answer normalisation and intermediate results; auto: the "
