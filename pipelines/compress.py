@@ -153,8 +153,10 @@ def check_compatible(cfg: JobConfig, model_name: str, existing: Existing, out: O
     if "sft_format" in before:  # an output from before a format was renamed
         before["sft_format"] = sft_format_name(before["sft_format"])
     now = cfg.to_dict()
+    if before:  # an output from before the setting was made with the paper's weights
+        before.setdefault("layer_weights", "signed")
     for key in ("adapter", "columns", "unit", "alpha", "keep_digits", "template", "dtype",
-                "sft_format", "sft_mix", "seed"):
+                "sft_format", "sft_mix", "seed", "layer_weights"):
         if key in before and before[key] != now[key]:
             problems.append(f"{key} {before[key]!r} vs {now[key]!r}")
     if problems:

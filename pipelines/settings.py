@@ -24,6 +24,7 @@ DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEVICES = ("auto", "cpu", "cuda")
 FORMATS = ("auto", "jsonl", "parquet")
 UNITS = ("word", "token")
+MIST_FAMILY = ("mist", "necessity", "sufficiency")  # the scorers that take alpha, layer_weights
 
 
 def setting(default: Any = ..., help: str = "", *, group: str, metavar: str | None = None,
@@ -270,6 +271,11 @@ class JobConfig(Settings):
         choices=lambda: tuple(__import__("mist_core", fromlist=["scorer_names"]).scorer_names()))
     unit: str = setting("word", "prune whole words or single tokens", group="scoring",
                         choices=UNITS)
+    layer_weights: str = setting(
+        "signed", "how MIST's Eq. 7 weighs the layers (mist, necessity, sufficiency): signed, "
+        "the paper's c̄_l; clipped, max(c̄_l, 0), a variant that trained better models on the "
+        "downstream testbed (docs/results/downstream.md)", group="scoring",
+        choices=("signed", "clipped"))
     keep_digits: bool = setting(False, "always keep tokens with digits (may exceed the budget)",
                                 group="scoring")
     trust_remote_code: bool = setting(
@@ -324,6 +330,9 @@ class JobConfig(Settings):
         return size
 
     def _check_more(self) -> None:
+        if self.layer_weights != "signed" and self.method not in MIST_FAMILY:
+            raise ConfigError(f"layer_weights is MIST's ({', '.join(MIST_FAMILY)}), not "
+                              f"{self.method}'s")
         if self.device == "cuda" and self.gpus_per_actor == 0:
             raise ConfigError("device cuda needs a GPU for each scoring actor: give "
                               "--gpus-per-actor 1 (or auto on a cluster with GPUs), or "

@@ -79,3 +79,44 @@ def test_settings_are_frozen_whole_values():
     assert cfg.to_dict()["actors"] == [1, 1]  # JSON values, for manifests
     with pytest.raises(ConfigError, match="unknown setting 'bogus'"):
         JobConfig(bogus=1)
+
+
+def test_layer_weights_are_the_scorers_and_mist_only():
+    from mist_core.scorer import LAYER_WEIGHTS
+
+    assert JobConfig.model_fields["layer_weights"].json_schema_extra["choices"] == LAYER_WEIGHTS
+    assert JobConfig(method="necessity", layer_weights="clipped").layer_weights == "clipped"
+    with pytest.raises(ConfigError, match="layer_weights is MIST's"):
+        JobConfig(method="h2o", layer_weights="clipped")
+
+
+def test_the_scoring_actor_builds_the_scorer_the_settings_name(model_dir):
+    from pipelines.job import stages
+
+    for method, weights in (("mist", "clipped"), ("sufficiency", "clipped"), ("mist", "signed")):
+        actor = stages.ScoreActor(JobConfig(model=str(model_dir), method=method,
+                                            layer_weights=weights, alpha=0.3), device="cpu")
+        assert (actor.scorer.method, actor.scorer.layer_weights) == (method, weights)
+    assert actor.scorer.alpha == 0.3
+
+
+def test_a_refresh_keeps_the_layer_weights_of_the_output():
+    """Rows scored with other layer weights are not mixed into an output; an output from
+    before the setting holds the paper's (signed) weights."""
+    from types import SimpleNamespace
+
+    from pipelines.compress import check_compatible
+
+    out = SimpleNamespace(display=lambda: "outputs/x")
+
+    def existing(config):
+        return SimpleNamespace(methods={"mist"}, models={"m"}, budgets={0.5},
+                               manifest={"config": config})
+
+    clipped = JobConfig(budgets=[0.5], layer_weights="clipped")
+    with pytest.raises(ConfigError, match="layer_weights 'signed' vs 'clipped'"):
+        check_compatible(clipped, "m", existing({"unit": "word"}), out)
+    check_compatible(clipped, "m", existing({"layer_weights": "clipped"}), out)
+    check_compatible(JobConfig(budgets=[0.5]), "m", existing({"unit": "word"}), out)
+    empty = SimpleNamespace(methods=set(), models=set(), budgets=set(), manifest=None)
+    check_compatible(clipped, "m", empty, out)  # a new output takes any

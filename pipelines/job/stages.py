@@ -23,7 +23,7 @@ from mist_core.templates import Encoded
 
 from . import faults, placement
 from ..rows import parse_examples, readable_id, template_for
-from ..settings import JobConfig
+from ..settings import MIST_FAMILY, JobConfig
 from ..errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -192,6 +192,8 @@ class ScoreActor:
                       max_memory="auto" if cfg.max_memory is None else cfg.max_memory)
         if method == "mist":
             kwargs["alpha"] = cfg.alpha
+        if method in MIST_FAMILY:
+            kwargs["layer_weights"] = cfg.layer_weights
         self.scorer = get_scorer(method, self.lm, **kwargs)
         self.scored, self.busy, self.batches = 0, 0.0, 0
         # Of the chains scored, those the scorer rejected; when this process began scoring
