@@ -480,7 +480,7 @@ def load_yaml(path: str) -> dict:
     return values
 
 
-def from_mapping(values: dict, base: Settings | None = None, kind: type[Settings] = None
+def from_mapping(values: dict, base: Settings | None = None, kind: type[Settings] | None = None
                  ) -> Settings:
     """Settings from a mapping of setting -> value (YAML or flags), over `base`'s."""
     kind = kind or (type(base) if base is not None else JobConfig)
