@@ -165,8 +165,8 @@ class ScoreActor:
     `batch_tokens` padded tokens, so short chains are not padded to long ones."""
 
     def __init__(self, cfg: JobConfig, *, device: str, stats=None):
-        """Settings: cfg's model, method, dtype, alpha, template, batch_size, batch_tokens,
-        max_memory, trust_remote_code, cpus_per_actor (torch's threads on a CPU);
+        """Settings: cfg's model, method, dtype, alpha, layer_weights, template, batch_size,
+        batch_tokens, max_memory, trust_remote_code, cpus_per_actor (torch's threads on a CPU);
         `device`: placement.resolve_device's; `stats`: the placement.ActorStats to report to."""
         import torch
 
