@@ -271,11 +271,14 @@ def combine(necessity: np.ndarray | None, sufficiency: np.ndarray | None,
 LAYER_WEIGHTS = ("signed", "clipped")
 
 
-def eq7_weights(cbar, layer_weights: str = "signed"):
-    """The layer weights Eq. 7 applies (torch or numpy): Eq. 6's c̄ as it is (signed, the
-    paper), or max(c̄, 0) (clipped: a layer whose logit-lens contribution falls counts for
-    nothing instead of against a token)."""
-    return cbar * (cbar > 0) if layer_weights == "clipped" else cbar
+def eq7(per_layer, cbar, layer_weights: str = "signed"):
+    """Eq. 7, one axis [T] from its per-layer terms [L, T] and Eq. 6's c̄ [L] (torch or
+    numpy): Σ_l w_l·|term_l|, with w = c̄ as it is (signed, the paper) or max(c̄, 0)
+    (clipped: a layer whose logit-lens contribution falls counts for nothing instead of
+    against a token)."""
+    w = cbar * (cbar > 0) if layer_weights == "clipped" else cbar
+    mag = per_layer.abs() if isinstance(per_layer, torch.Tensor) else np.abs(per_layer)
+    return (w[:, None] * mag).sum(0)
 
 
 class MistScorer(BackpropScorer):
@@ -416,17 +419,16 @@ class MistScorer(BackpropScorer):
             ce = cs + enc.chain_len
             p = proj_t[:, b, cs:ce]
             cbar = (p[1:] - p[:-1]).mean(1)[layer_idx - 1]  # Eq. 6, [Lsel]
-            w = eq7_weights(cbar, self.layer_weights)
             fields = {"layer_weights": cbar, "layers": np.asarray(self.layers),
                       "log_likelihood": ll_src[b]}
             if nec:
                 per_layer = torch.stack([x[b, cs:ce] for x in phi])
                 fields.update(necessity_per_layer=per_layer,
-                              necessity=(w[:, None] * per_layer.abs()).sum(0))  # Eq. 7
+                              necessity=eq7(per_layer, cbar, self.layer_weights))
             if suff:
                 per_layer = torch.stack([x[b, cs:ce] for x in psi])
                 fields.update(sufficiency_per_layer=per_layer,
-                              sufficiency=(w[:, None] * per_layer.abs()).sum(0),  # Eq. 7
+                              sufficiency=eq7(per_layer, cbar, self.layer_weights),
                               nochain_log_likelihood=ll_tgt[b])
             # NaN or inf in the log-likelihoods or the raw axes (which carry the gradients,
             # the states and the layer weights) fails the chain: normalised, a NaN axis

@@ -142,14 +142,13 @@ class EvalActor:
         """name -> kept mask for every method and budget, plus the two ends."""
         from mist_core.prune import prune_scores
         from mist_core.evaluation import NOCHAIN, positional_scores
-        from mist_core.scorer import combine, eq7_weights
+        from mist_core.scorer import combine, eq7
 
-        w = eq7_weights(s.layer_weights, "clipped")[:, None]
+        clipped = [eq7(p, s.layer_weights, "clipped")
+                   for p in (s.necessity_per_layer, s.sufficiency_per_layer)]
         scores = {"mist": s.scores, "necessity": combine(s.necessity, None, self.cfg.alpha),
                   "sufficiency": combine(None, s.sufficiency, self.cfg.alpha),
-                  "mist_clipped": combine((w * np.abs(s.necessity_per_layer)).sum(0),
-                                          (w * np.abs(s.sufficiency_per_layer)).sum(0),
-                                          self.cfg.alpha)}
+                  "mist_clipped": combine(*clipped, self.cfg.alpha)}
         scores.update({n: r.scores for n, r in scored.items() if n != "mist"})
         scores.update({n: positional_scores(enc.chain_len, n) for n in POSITIONAL})
         out = {}
