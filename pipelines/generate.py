@@ -263,8 +263,6 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
         raise ConfigError("--k, --batch-size and --max-new-tokens must be at least 1")
     if not 0 < args.top_p <= 1 or args.temperature < 0:
         raise ConfigError("--top-p must lie in (0, 1] and --temperature be >= 0")
-    if args.limit is not None and args.limit < 1:
-        raise ConfigError("--limit must be at least 1")
     return args
 
 

@@ -228,6 +228,8 @@ class Start:
 def start(args: argparse.Namespace) -> Start:
     """The shared start of a question-set command: paths that ray job submit can reach, the
     model's tokenizer, Ray, the questions, the actors' pool and device."""
+    if args.limit is not None and args.limit < 1:  # the flag is add_questions'
+        raise ConfigError("--limit must be at least 1")
     try:
         check_submitted_paths(args.input, args.output)
     except ValueError as e:

@@ -131,8 +131,6 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
         raise ConfigError(f"--budgets must lie in (0, 1], got {args.budgets}")
     if args.batch_size < 1 or args.max_new_tokens < 1 or args.n_boot < 1:
         raise ConfigError("--batch-size, --max-new-tokens and --n-boot must be at least 1")
-    if args.limit is not None and args.limit < 1:
-        raise ConfigError("--limit must be at least 1")
     return args
 
 
