@@ -144,11 +144,12 @@ class EvalActor:
         from mist_core.evaluation import NOCHAIN, positional_scores
         from mist_core.scorer import combine, eq7
 
-        clipped = [eq7(p, s.layer_weights, "clipped")
-                   for p in (s.necessity_per_layer, s.sufficiency_per_layer)]
         scores = {"mist": s.scores, "necessity": combine(s.necessity, None, self.cfg.alpha),
-                  "sufficiency": combine(None, s.sufficiency, self.cfg.alpha),
-                  "mist_clipped": combine(*clipped, self.cfg.alpha)}
+                  "sufficiency": combine(None, s.sufficiency, self.cfg.alpha)}
+        if "mist_clipped" in self.cfg.methods:  # from the same per-layer terms
+            clipped = [eq7(p, s.layer_weights, "clipped")
+                       for p in (s.necessity_per_layer, s.sufficiency_per_layer)]
+            scores["mist_clipped"] = combine(*clipped, self.cfg.alpha)
         scores.update({n: r.scores for n, r in scored.items() if n != "mist"})
         scores.update({n: positional_scores(enc.chain_len, n) for n in POSITIONAL})
         out = {}
