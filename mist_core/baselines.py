@@ -115,9 +115,10 @@ class GoGIScorer(BackpropScorer):
 
     method = "gogi_l1"
 
-    def need(self, batch: list[Encoded], recompute: bool) -> float:
+    def need(self, batch: list[Encoded], plan: Plan) -> float:
         width = max(len(e.source_ids) for e in batch)
-        return self.footprint.need(len(batch) * width, recompute,
+        return self.footprint.need(len(batch) * width, plan.recompute, keep_every=plan.keep_every,
+                                   mlp_pieces=plan.mlp_pieces,
                                    logit_rows=sum(e.answer_len for e in batch),
                                    vocab=self.lm.unembedding.shape[0])
 
@@ -130,7 +131,8 @@ class GoGIScorer(BackpropScorer):
             norms[l] = g.abs().sum(-1)
 
         residual_pass(self.lm, ids, [(e.answer_start, e.answer_stop) for e in batch],
-                      grad_layers=[layer], recompute=plan.recompute, on_grad=on_grad)
+                      grad_layers=[layer], recompute=plan.recompute,
+                      keep_every=plan.keep_every, mlp_pieces=plan.mlp_pieces, on_grad=on_grad)
         return [ScoredChain.from_encoded(
                     e, self.method, norms[layer][b, e.chain_start: e.chain_stop].double().cpu().numpy())
                 for b, e in enumerate(batch)]

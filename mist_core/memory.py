@@ -8,6 +8,7 @@ models."""
 from __future__ import annotations
 
 import gc
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +24,11 @@ class Footprint:
 
     stored: float  # what autograd keeps for the backward of a whole pass
     block: float  # the same for one block: what a recomputed backward holds at a time
-    state: float  # h^(0..L) of one position: what a recomputed backward keeps throughout
-    transient: float  # a block's temporaries in its forward (q, k, v, the MLP's halves, …)
+    mlp: float  # the part of `block` that is the MLP's (a recomputed pass holds it per piece)
+    state: float  # one h^(l) of one position
+    layers: int  # L
+    transient: float  # a block's temporaries in its forward, besides the MLP's
+    mlp_transient: float  # the MLP's temporaries (its intermediate activations)
     kv: float  # one position's keys and values over all layers (a prefix cache)
 
     # What the process holds beyond the tensors counted: the allocator's free pieces, which
@@ -32,16 +36,35 @@ class Footprint:
     # 1k-8k tokens (docs/results/performance.md).
     OVERHEAD = 1.25
 
-    def per_token(self, recompute: bool) -> float:
-        """Bytes per token position: the states (recomputed) or the whole graph (stored),
-        plus one block's saved activations and gradients and its temporaries."""
-        return (self.state if recompute else self.stored) + 2 * self.block + self.transient
+    def states_kept(self, keep_every: int) -> int:
+        """How many h^(l) a recomputed backward holds at most: every one, or with
+        `keep_every` k the kept ones (0, k, 2k, …, L) and one segment's k - 1 between them."""
+        L = self.layers
+        if keep_every <= 1:
+            return L + 1
+        return -(-L // keep_every) + 1 + keep_every - 1
+
+    def per_token(self, recompute: bool, keep_every: int = 1, mlp_pieces: bool = False) -> float:
+        """Bytes per token position: the whole graph (stored) or the states (recomputed),
+        plus one block's saved activations and gradients and its temporaries. With
+        `mlp_pieces` a recomputed pass runs the MLP in pieces, so the MLP's part is counted
+        once per pass (in `need`), not per position."""
+        per = self.stored if not recompute else self.state * self.states_kept(keep_every)
+        if recompute and mlp_pieces:
+            return per + 2 * (self.block - self.mlp) + self.transient
+        return per + 2 * self.block + self.transient + self.mlp_transient
 
     def need(self, positions: int, recompute: bool, prefix_positions: int = 0,
-             mask_cells: int = 0, logit_rows: int = 0, vocab: int = 0) -> float:
+             mask_cells: int = 0, logit_rows: int = 0, vocab: int = 0,
+             keep_every: int = 1, mlp_pieces: bool = False) -> float:
         """Bytes a pass over `positions` (padded) token positions takes beyond the model."""
+        from .passes import MLP_POSITIONS
+
         fixed = prefix_positions * self.kv + mask_cells + 3 * 4 * logit_rows * vocab
-        return self.OVERHEAD * (positions * self.per_token(recompute) + fixed)
+        if recompute and mlp_pieces:  # one MLP piece: activations, their gradients, temporaries
+            fixed += min(positions, MLP_POSITIONS) * (2 * self.mlp + self.mlp_transient)
+        return self.OVERHEAD * (positions * self.per_token(recompute, keep_every, mlp_pieces)
+                                + fixed)
 
 
 def measure(lm: LM, tokens: int = 64) -> Footprint:
@@ -52,7 +75,7 @@ def measure(lm: LM, tokens: int = 64) -> Footprint:
     params = {p.untyped_storage().data_ptr() for p in lm.model.parameters()}
     params |= {b.untyped_storage().data_ptr() for b in lm.model.buffers()}
 
-    def saved_bytes(n: int) -> int:
+    def saved_bytes(run) -> int:
         seen: dict[int, int] = {}
 
         def pack(t: torch.Tensor):
@@ -64,27 +87,76 @@ def measure(lm: LM, tokens: int = 64) -> Footprint:
                 seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
             return t
 
-        vocab = lm.unembedding.shape[0]
-        gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, vocab, (1, n), generator=gen).to(lm.device)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            residual_pass(lm, ids, [(n - 2, n)], grad_layers=[1])
+            run()
         return sum(seen.values())
 
-    stored = max(saved_bytes(2 * tokens) - saved_bytes(tokens), 0) / tokens
+    vocab = lm.unembedding.shape[0]
+    d = lm.unembedding.shape[1]
+    gen = torch.Generator().manual_seed(0)
+
+    def whole(n: int):
+        ids = torch.randint(0, vocab, (1, n), generator=gen).to(lm.device)
+        return lambda: residual_pass(lm, ids, [(n - 2, n)], grad_layers=[1])
+
+    def mlp(n: int):
+        x = torch.randn(1, n, d, generator=gen).to(lm.device, lm.dtype).requires_grad_(True)
+        module = getattr(lm.blocks[0], "mlp", None)
+        return lambda: module(x).sum() if isinstance(module, torch.nn.Module) else None
+
+    def slope(probe) -> float:
+        return max(saved_bytes(probe(2 * tokens)) - saved_bytes(probe(tokens)), 0) / tokens
+
+    stored, mlp_saved = slope(whole), slope(mlp)
     gc.collect()
     config = lm.model.config
     elt = torch.finfo(lm.dtype).bits // 8
-    d = lm.unembedding.shape[1]
     heads = getattr(config, "num_attention_heads", 1)
     head_dim = getattr(config, "head_dim", None) or d // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     L = lm.n_layers
     inter = getattr(config, "intermediate_size", 4 * d)
     qkv = (heads + 2 * kv_heads) * head_dim
-    return Footprint(stored=stored, block=stored / L, state=(L + 1) * d * elt,
-                     transient=elt * (4 * inter + 4 * d + 3 * qkv),
+    block = stored / L
+    return Footprint(stored=stored, block=block, mlp=min(mlp_saved, block), state=d * elt,
+                     layers=L, transient=elt * (4 * d + 3 * qkv), mlp_transient=elt * 4 * inter,
                      kv=2 * L * kv_heads * head_dim * elt)
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+@contextmanager
+def freed_to_the_system(device: torch.device, threshold: int = 2**20):
+    """Within the block, on a CPU with glibc, each allocation over `threshold` bytes gets
+    pages of its own, and they go back to the system when the tensor is freed. By default
+    glibc serves allocations of up to 32 MiB from its heaps, where a recomputed pass's
+    many same-sized tensors, freed and made again block after block, leave pieces the next
+    one does not fit into: on SmolLM2 at 7.7k tokens the peak RSS beyond the model came out
+    anywhere from 0.78 to 1.43 GiB from run to run, and 0.33 GiB with this (for ~14 % more
+    time, the pages being mapped anew). Afterwards the threshold is 32 MiB, the most
+    glibc's own adjustment reaches."""
+    libc = _glibc() if device.type == "cpu" else None
+    if libc is None:
+        yield
+        return
+    libc.mallopt(_M_MMAP_THRESHOLD, threshold)
+    try:
+        yield
+    finally:
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)
+
+
+def _glibc():
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
 
 
 def auto_cap(device: torch.device) -> int:

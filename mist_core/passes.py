@@ -4,17 +4,23 @@
   memory is every block's saved activations, O(L · T · a block's activations per token).
 - recomputed: a forward without a graph that keeps only h^(0..L), then a backward block by
   block from the top, each block rerun with a graph just before its own backward. One more
-  forward of work; memory O(L · T · d) for the states plus one block's activations.
+  forward of work; memory O(L · T · d) for the states plus one block's activations. Where
+  that is still too much, the MLP runs `MLP_POSITIONS` positions at a time, its pieces
+  checkpointed (the MLP is position-wise, and its intermediate width is most of a block's
+  activations), and then only every k-th state is kept through the backward.
 
 Both give the same numbers. Callers see the states and the gradients through callbacks, layer
 by layer, so that neither the gradients of all layers nor anything beyond the pass itself is
 ever held at once."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable, Sequence
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
+from . import memory
 from .models import LM
 from .tracing import _hidden, run_base, span_logprobs, trace
 
@@ -39,16 +45,25 @@ class PrefixKV:
 
 def residual_pass(lm: LM, ids: torch.Tensor, spans: list[tuple[int, int]], *,
                   grad_layers: Sequence[int] = (), recompute: bool = False,
+                  mlp_pieces: bool = False, keep_every: int = 1,
                   on_state: OnState | None = None, on_grad: OnGrad | None = None,
                   prefix_kv: PrefixKV | None = None, **base_kwargs) -> list[float]:
     """Run the decoder on `ids` (extra arguments go to the base model: attention_mask,
     position_ids, a prefix cache), score log p(ids[b, span_b]) and backpropagate it to the
     residual stream of `grad_layers` (block numbers 1..L). Returns each row's log p.
 
+    `mlp_pieces` (with `recompute`): run each block's MLP `MLP_POSITIONS` positions at a
+    time, each piece checkpointed (chunked_mlp): one more MLP forward per block in the
+    backward, for a block's activations without most of the MLP's.
+    `keep_every` (with `recompute`): keep h^(l) through the backward only for every k-th l
+    (and L); the states between two kept ones are computed again, without a graph, when the
+    backward reaches them. With k ≈ √L the states take O(√L · T · d) instead of O(L · T · d),
+    for one more forward without a graph.
     `prefix_kv`: the prefix's keys/values, needed with `recompute` when a cache is passed."""
     grad_layers = sorted(set(grad_layers))
     if recompute and grad_layers:
-        return _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs)
+        return _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs,
+                           mlp_pieces, max(1, keep_every))
     with trace(lm, grad=bool(grad_layers)) as tr:
         out = run_base(lm, ids, **base_kwargs)
         lps = span_logprobs(lm, out.last_hidden_state, spans, ids)
@@ -78,14 +93,68 @@ def _total(lps: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([lp.sum() for lp in lps]).sum()
 
 
-def _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs):
-    with trace(lm, capture_inputs=True) as tr, torch.no_grad():
+# Token positions a recomputed pass runs through a block's MLP at a time.
+MLP_POSITIONS = 1024
+
+
+@contextmanager
+def chunked_mlp(lm: LM, positions: int | None = None, enabled: bool = True):
+    """Within the block, each decoder block's MLP runs `positions` token positions at a time
+    and, under autograd, checkpoints each piece: the piece's activations are recomputed in
+    the backward instead of held. The MLP is position-wise (a dense MLP, or a mixture of
+    experts routed per token), so the numbers are the same; a model whose blocks have no
+    `mlp` is run as it is."""
+    positions = positions or MLP_POSITIONS
+    mlps = [getattr(b, "mlp", None) for b in lm.blocks]
+    if not enabled or any(not isinstance(m, torch.nn.Module) for m in mlps):
+        yield
+        return
+
+    def pieces(forward):
+        def run(x, *args, **kwargs):
+            step = max(1, positions // x.shape[0])
+            if x.dim() != 3 or x.shape[1] <= step:
+                return forward(x, *args, **kwargs)
+            keep = torch.is_grad_enabled() and x.requires_grad
+            outs = [checkpoint(forward, x[:, s:s + step], *args, use_reentrant=False, **kwargs)
+                    if keep else forward(x[:, s:s + step], *args, **kwargs)
+                    for s in range(0, x.shape[1], step)]
+            if not all(isinstance(o, torch.Tensor) for o in outs):  # e.g. (states, router logits)
+                return forward(x, *args, **kwargs)
+            return torch.cat(outs, 1)
+        return run
+
+    for m in mlps:
+        m.forward = pieces(m.forward)
+    try:
+        yield
+    finally:
+        for m in mlps:
+            del m.forward  # the class's forward again
+
+
+def _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs,
+                mlp_pieces, keep_every):
+    with chunked_mlp(lm, enabled=mlp_pieces), memory.freed_to_the_system(lm.device):
+        return _recomputed_pass(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv,
+                                base_kwargs, keep_every)
+
+
+def _recomputed_pass(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs,
+                     keep_every):
+    L = lm.n_layers
+    with trace(lm, capture_inputs=True, on_state=on_state,
+               keep=lambda l: l % keep_every == 0 or l == L) as tr, torch.no_grad():
         run_base(lm, ids, **base_kwargs)
     states = tr.states
-    if on_state:
-        for l, h in enumerate(states):
-            on_state(l, h)
-    L = lm.n_layers
+
+    def rerun(l: int, h_in: torch.Tensor) -> torch.Tensor:  # block l: h^(l-1) -> h^(l)
+        args, kwargs = tr.block_inputs[l - 1]
+        if prefix_kv is None and any(_is_cache(v) for v in kwargs.values()):
+            raise ValueError("rerunning a block over a prefix cache needs prefix_kv")
+        kwargs = {k: (prefix_kv if _is_cache(v) else v) for k, v in kwargs.items()}
+        return _hidden(lm.blocks[l - 1](h_in, *args, **kwargs))
+
     with torch.enable_grad():
         top = states[L].detach().requires_grad_(True)
         lps = span_logprobs(lm, lm.final_norm(top), spans, ids)
@@ -93,14 +162,15 @@ def _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_
     del top
     if L in grad_layers and on_grad:
         on_grad(L, g, states[L])
-    for l in range(L, grad_layers[0], -1):  # block l maps h^(l-1) to h^(l)
-        args, kwargs = tr.block_inputs[l - 1]
-        if prefix_kv is None and any(_is_cache(v) for v in kwargs.values()):
-            raise ValueError("rerunning a block over a prefix cache needs prefix_kv")
-        kwargs = {k: (prefix_kv if _is_cache(v) else v) for k, v in kwargs.items()}
+    for l in range(L, grad_layers[0], -1):
+        if states[l - 1] is None:  # a segment between kept states: its states again, no graph
+            lo = max(j for j in range(l - 1) if states[j] is not None)
+            with torch.no_grad():
+                for j in range(lo + 1, l):
+                    states[j] = rerun(j, states[j - 1])
         with torch.enable_grad():
             h_in = states[l - 1].detach().requires_grad_(True)
-            out = _hidden(lm.blocks[l - 1](h_in, *args, **kwargs))
+            out = rerun(l, h_in)
             (g,) = torch.autograd.grad(out, [h_in], g)
         del out, h_in
         states[l] = None  # no longer needed: frees its memory as the backward descends

@@ -140,7 +140,7 @@ class Scorer:
                     out[i] = res
                 return
         if len(idx) == 1:
-            need = memory.gib(self.need(batch, recompute=True))
+            need = memory.gib(self.need(batch, self.plans()[-1]))
             out[idx[0]] = self._too_long(batch[0], f"need about {need} even alone")
             return
         half = len(idx) // 2
@@ -173,7 +173,11 @@ class Scorer:
         it up). Scorers without a memory model run every batch as it comes."""
         return True
 
-    def need(self, batch: list[Encoded], recompute: bool) -> float:
+    def plans(self) -> list:
+        """The ways this scorer can run a batch, cheapest first."""
+        return [True]
+
+    def need(self, batch: list[Encoded], plan) -> float:
         return 0.0
 
     def batch_kind(self, enc: Encoded):
@@ -190,8 +194,9 @@ class Scorer:
 
 class BackpropScorer(Scorer):
     """A scorer whose passes backpropagate to the residual stream, with the memory model
-    that sizes them: `recompute` None picks per batch (stored activations where they fit,
-    per-block recomputation where only that fits), True or False forces one."""
+    that sizes them: `recompute` None picks per batch the cheapest way that fits (stored
+    activations; per-block recomputation keeping every h^(l); the same keeping every k-th
+    h^(l), k ≈ √L, for one more forward), True or False forces recomputation or storing."""
 
     def __init__(self, lm: LM, recompute: bool | None = None, **kwargs):
         super().__init__(lm, **kwargs)
@@ -201,7 +206,7 @@ class BackpropScorer(Scorer):
     def footprint(self) -> memory.Footprint:
         return memory.measure(self.lm)
 
-    def need(self, batch: list[Encoded], recompute: bool) -> float:
+    def need(self, batch: list[Encoded], plan: Plan) -> float:
         raise NotImplementedError
 
     def token_budget(self) -> int:
@@ -210,18 +215,30 @@ class BackpropScorer(Scorer):
         fp = self.footprint
         return max(1, int(self.max_memory / (fp.OVERHEAD * fp.per_token(recompute=False))))
 
+    def plans(self) -> list[Plan]:
+        every = max(2, round((self.lm.n_layers + 1) ** 0.5))
+        recomputed = [Plan(recompute=True), Plan(recompute=True, mlp_pieces=True),
+                      Plan(recompute=True, mlp_pieces=True, keep_every=every)]
+        return {None: [Plan()] + recomputed, True: recomputed, False: [Plan()]}[self.recompute]
+
     def plan(self, batch: list[Encoded]) -> Plan | None:
         if self.max_memory is None:
-            return Plan(recompute=bool(self.recompute))
-        for recompute in ((False, True) if self.recompute is None else (self.recompute,)):
-            if self.need(batch, recompute) <= self.max_memory:
-                return Plan(recompute=recompute)
+            return self.plans()[0]
+        for plan in self.plans():
+            if self.need(batch, plan) <= self.max_memory:
+                return plan
         return None
 
 
 @dataclass(frozen=True)
 class Plan:
+    """How a batch's passes run (mist_core.passes.residual_pass): with stored activations,
+    or recomputing each block in the backward, then also with the MLP in pieces, then also
+    keeping only every k-th h^(l). Each step takes less memory and more time."""
+
     recompute: bool = False
+    mlp_pieces: bool = False
+    keep_every: int = 1
 
 
 def shared_prefix(enc: Encoded) -> int:
@@ -347,12 +364,13 @@ class MistScorer(BackpropScorer):
         scratch = 2 * (P + C) * block + 3 * (P + C) * (P + C) / 2 * attention
         return P > 0 and shared < scratch
 
-    def need(self, batch: list[Encoded], recompute: bool) -> float:
+    def need(self, batch: list[Encoded], plan: Plan) -> float:
         share = self.shares_prefix(batch[0])
         width = max(self.batch_length(e) for e in batch)
         P = max(shared_prefix(e) for e in batch)
         answers = sum(e.answer_len for e in batch)
-        return self.footprint.need(len(batch) * width, recompute, prefix_positions=len(batch) * P,
+        return self.footprint.need(len(batch) * width, plan.recompute, keep_every=plan.keep_every,
+                                   mlp_pieces=plan.mlp_pieces, prefix_positions=len(batch) * P,
                                    mask_cells=len(batch) * width * (P + width) if share else 0,
                                    logit_rows=answers, vocab=self.lm.unembedding.shape[0])
 
@@ -409,7 +427,8 @@ class MistScorer(BackpropScorer):
             phi[sel[l]] = (wide(g) * wide(h)).sum(-1)  # Eq. 4
 
         ll_src = residual_pass(lm, ids, spans, grad_layers=self.layers if nec else (),
-                               recompute=plan.recompute, on_state=on_state, on_grad=on_grad,
+                               recompute=plan.recompute, keep_every=plan.keep_every,
+                               mlp_pieces=plan.mlp_pieces, on_state=on_state, on_grad=on_grad,
                                **kwargs)
         proj_t = torch.stack(proj)  # [L+1, B, S]
         layer_idx = torch.tensor(self.layers, device=lm.device)

@@ -26,10 +26,17 @@ class Trace:
 
 
 @contextmanager
-def trace(lm: LM, grad: bool = False, capture_inputs: bool = False):
-    """Record h^(0..L) of the passes run inside the block."""
+def trace(lm: LM, grad: bool = False, capture_inputs: bool = False, on_state=None, keep=None):
+    """Record h^(0..L) of the passes run inside the block. `on_state(l, h)` sees each state
+    as it appears; `keep(l)` False records None in its place (its memory is not held)."""
     tr = Trace()
     handles = []
+
+    def record(h):
+        l = len(tr.states)
+        if on_state:
+            on_state(l, h.detach())
+        tr.states.append(h if keep is None or keep(l) else None)
 
     def first_pre(module, args, kwargs):
         if args:
@@ -38,7 +45,7 @@ def trace(lm: LM, grad: bool = False, capture_inputs: bool = False):
             h, rest = kwargs.pop("hidden_states"), ()
         if grad:
             h = h.detach().requires_grad_(True)
-        tr.states.append(h)
+        record(h)
         return (h, *rest), kwargs
 
     def capture_pre(module, args, kwargs):
@@ -46,7 +53,7 @@ def trace(lm: LM, grad: bool = False, capture_inputs: bool = False):
         tr.block_inputs.append((tuple(args[1:]), kw))
 
     def post(module, args, kwargs, output):
-        tr.states.append(_hidden(output))
+        record(_hidden(output))
 
     try:
         handles.append(lm.blocks[0].register_forward_pre_hook(first_pre, with_kwargs=True))

@@ -35,8 +35,8 @@ def test_max_memory_rejects_only_what_cannot_fit_alone(local_ray, model_dir, tmp
     # The cap: room for a short chain, not for the long one even with recomputation.
     scorer = MistScorer(load_model(str(model_dir)))
     encs = [scorer.encode(Example(r["question"], r["cot"], r["answer"], id=r["id"])) for r in rows]
-    cap = int(1.5 * scorer.need([encs[0]], recompute=False))
-    assert scorer.need([encs[-1]], recompute=True) > cap
+    cap = int(1.5 * scorer.need([encs[0]], scorer.plans()[0]))
+    assert min(scorer.need([encs[-1]], plan) for plan in scorer.plans()) > cap
 
     out = tmp_path / "out"
     argv = ["--input", str(corpus), "--output", str(out), "--model", str(model_dir),

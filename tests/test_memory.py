@@ -8,6 +8,7 @@ import torch
 from mist_core import InvalidExample, MistScorer
 from mist_core.baselines import GoGIScorer
 from mist_core.memory import Footprint, measure, parse_bytes
+from mist_core.scorer import Plan
 from pipelines.bench import synthetic_encoded
 from reference import first_order
 
@@ -40,22 +41,53 @@ def test_every_regime_equals_plain_autograd_fp64(tiny_lm64, examples, share, rec
         assert np.abs(got.necessity_per_layer).max() > 1e-4
 
 
-def test_long_chains_every_regime_agrees_with_the_reference_fp32():
+def forced(scorer: MistScorer, plan: Plan) -> MistScorer:
+    scorer.plan = lambda batch: plan
+    return scorer
+
+
+@pytest.mark.parametrize("keep_every", [2, 3])
+def test_keeping_every_kth_state_equals_plain_autograd_fp64(tiny_lm64, examples, keep_every):
+    """The states between two kept ones are computed again when the backward reaches them:
+    the same numbers as the reference, whether the kept ones fall on the top block or not."""
+    scorer = forced(MistScorer(tiny_lm64, share_prefix=False, max_batch=8),
+                    Plan(recompute=True, mlp_pieces=True, keep_every=keep_every))
+    for ex, got in zip(examples, scorer.score(examples)):
+        ref = first_order(tiny_lm64, scorer.encode(ex))
+        for name in FIELDS:
+            np.testing.assert_allclose(getattr(got, name), ref[name], rtol=1e-5, atol=1e-9,
+                                       err_msg=name)
+
+
+def test_long_chains_every_regime_agrees_with_the_reference_fp32(monkeypatch):
     """Chains of ~600 tokens (past the tiny models' usual context) in fp32, two of unequal
     length in one batch: every regime agrees with the independent computation to 1e-5 of
-    each field's scale."""
+    each field's scale, with the recomputed MLP run in pieces of 64 positions (32 a chain)
+    and with every second state kept."""
+    import mist_core.passes as passes
+
+    monkeypatch.setattr(passes, "MLP_POSITIONS", 64)
+    pieces = []
+    real = passes.checkpoint
+    monkeypatch.setattr(passes, "checkpoint", lambda *a, **k: pieces.append(1) or real(*a, **k))
     lm = long_model("llama", dtype=torch.float32)
     encs = synthetic_encoded(2, 600, vocab=400, seed=1)
     assert len({len(e.source_ids) for e in encs}) == 2
     refs = [first_order(lm, e) for e in encs]
-    for share, recompute in REGIMES:
-        got = MistScorer(lm, share_prefix=share, recompute=recompute, max_batch=8,
-                         max_tokens=8192).score_encoded(encs)
+    regimes = [(share, Plan(recompute=r)) for share, r in REGIMES]
+    regimes += [(share, Plan(recompute=True, mlp_pieces=True)) for share in (True, False)]
+    regimes += [(False, Plan(recompute=True, mlp_pieces=True, keep_every=2))]
+    for share, plan in regimes:
+        scorer = MistScorer(lm, share_prefix=share, max_batch=8, max_tokens=8192)
+        got = forced(scorer, plan).score_encoded(encs)
         for g, ref in zip(got, refs):
             for name in ["necessity_per_layer", "sufficiency_per_layer", "layer_weights"]:
                 scale = np.abs(ref[name]).max()
                 np.testing.assert_allclose(getattr(g, name), ref[name], rtol=1e-4, atol=1e-5 * scale,
-                                           err_msg=f"{name} share={share} recompute={recompute}")
+                                           err_msg=f"{name} share={share} {plan}")
+    # 3 blocks rerun with a graph, ~20 pieces of 32 positions each, in each of the 3 regimes
+    # with the MLP in pieces
+    assert len(pieces) >= 3 * 3 * 19
 
 
 def test_the_cost_model_runs_long_chains_from_scratch(tiny_lm):
@@ -79,22 +111,39 @@ def test_the_cap_picks_recomputation_only_where_needed(tiny_lm):
     encs = synthetic_encoded(4, 60, vocab=300, seed=2)
     scorer = MistScorer(tiny_lm, max_memory=10**9)
     batch = encs[:1]
-    stored, recomputed = scorer.need(batch, False), scorer.need(batch, True)
-    assert recomputed < stored  # the tiny model has 4 layers: states are cheaper than the graph
-    assert not scorer.plan(batch).recompute
-    scorer.max_memory = int((stored + recomputed) / 2)
-    assert scorer.plan(batch).recompute
-    scorer.max_memory = int(recomputed / 2)
-    assert scorer.plan(batch) is None
+    plans = scorer.plans()
+    assert plans == [Plan(), Plan(recompute=True), Plan(recompute=True, mlp_pieces=True),
+                     Plan(recompute=True, mlp_pieces=True, keep_every=2)]  # k = √(L + 1), L = 4
+    from mist_core import passes
+
+    passes.MLP_POSITIONS, before = 16, passes.MLP_POSITIONS  # pieces shorter than the chain
+    try:
+        needs = [scorer.need(batch, p) for p in plans]
+        # states are cheaper than the graph, the MLP in pieces cheaper still, fewer states too
+        assert needs == sorted(needs, reverse=True) and len(set(needs)) == 4
+        assert scorer.plan(batch) == plans[0]
+        for i in range(1, 4):
+            scorer.max_memory = int((needs[i - 1] + needs[i]) / 2)
+            assert scorer.plan(batch) == plans[i]
+        scorer.max_memory = int(needs[3] / 2)
+        assert scorer.plan(batch) is None
+    finally:
+        passes.MLP_POSITIONS = before
+    assert MistScorer(tiny_lm, recompute=True).plans() == plans[1:]
+    assert MistScorer(tiny_lm, recompute=False).plans() == plans[:1]
 
 
 def test_footprint_is_measured_per_token(tiny_lm):
     fp = measure(tiny_lm)
     d, L = tiny_lm.unembedding.shape[1], tiny_lm.n_layers
-    assert fp.state == (L + 1) * d * 4
+    inter = tiny_lm.model.config.intermediate_size
+    assert fp.state == d * 4 and fp.layers == L
+    assert fp.states_kept(1) == L + 1 and fp.states_kept(2) == 3 + 1
     # a block saves several [d]-sized tensors per token (norm input, q, k, v, MLP halves, …)
     assert 4 * d * 4 < fp.block < 200 * d * 4
     assert fp.stored == pytest.approx(fp.block * L)
+    # the MLP saves its input and its intermediate activations (gate, up, their product, …)
+    assert 2 * inter * 4 <= fp.mlp < fp.block
 
 
 def test_a_chain_that_cannot_fit_alone_is_given_up_with_its_reason(tiny_lm64):
@@ -102,8 +151,8 @@ def test_a_chain_that_cannot_fit_alone_is_given_up_with_its_reason(tiny_lm64):
     encs = synthetic_encoded(3, 30, vocab=300, seed=4)
     encs[1] = synthetic_encoded(1, 180, vocab=300, seed=5)[0]
     probe = MistScorer(tiny_lm)
-    cap = int(probe.need([encs[0]], True) * 1.5)
-    assert probe.need([encs[1]], True) > cap
+    cap = int(probe.need([encs[0]], probe.plans()[-1]) * 1.5)
+    assert probe.need([encs[1]], probe.plans()[-1]) > cap
     scorer = MistScorer(tiny_lm, max_memory=cap)
     got = scorer.score_encoded(encs, errors="return")
     assert isinstance(got[1], InvalidExample) and got[1].reason == "too_long_for_memory"
@@ -172,6 +221,14 @@ def test_parse_bytes():
 
 
 def test_need_grows_with_positions():
-    fp = Footprint(stored=1000.0, block=100.0, state=50.0, transient=20.0, kv=10.0)
+    fp = Footprint(stored=1000.0, block=100.0, mlp=60.0, state=5.0, layers=9, transient=20.0,
+                   mlp_transient=40.0, kv=10.0)
     assert fp.need(200, False) == pytest.approx(2 * fp.need(100, False))
     assert fp.need(100, True) < fp.need(100, False)
+    assert fp.need(100, True, keep_every=3) < fp.need(100, True)
+    # with the MLP in pieces a recomputed pass holds one piece, whatever its length
+    from mist_core.passes import MLP_POSITIONS
+    n = 4 * MLP_POSITIONS
+    assert fp.need(n, True, mlp_pieces=True) < fp.need(n, True)
+    assert fp.need(2 * n, True, mlp_pieces=True) - fp.need(n, True, mlp_pieces=True) == \
+        pytest.approx(fp.OVERHEAD * n * fp.per_token(True, mlp_pieces=True))
