@@ -124,13 +124,17 @@ def chunked_mlp(lm: LM, positions: int | None = None, enabled: bool = True):
             return torch.cat(outs, 1)
         return run
 
+    own = [m.__dict__.get("forward") for m in mlps]  # a forward set on the instance (hooks)
     for m in mlps:
         m.forward = pieces(m.forward)
     try:
         yield
     finally:
-        for m in mlps:
-            del m.forward  # the class's forward again
+        for m, forward in zip(mlps, own):
+            if forward is None:
+                del m.forward  # the class's forward again
+            else:
+                m.forward = forward
 
 
 def _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs,

@@ -70,7 +70,8 @@ class Scorer:
     number, a size such as "6GB", None for no cap, or "auto" (the default): 90% of a GPU's
     free memory once the model is loaded, 60% of the memory a CPU machine has available.
     Within it a scorer that backpropagates picks its batches and, where a batch would not
-    fit otherwise, recomputes each block in the backward instead of storing its activations.
+    fit otherwise, recomputes each block in the backward instead of storing its activations
+    (then also runs the MLP in pieces, then also keeps only every k-th h^(l): `Plan`).
     A batch that runs out of memory all the same is split in two and retried; a chain that
     cannot fit alone fails with InvalidExample (reason `too_long_for_memory`).
 

@@ -125,7 +125,10 @@ def worker(spec: dict) -> dict:
         out["forward_equivalents"] = out["score_s"] / out["forward_s"]
         out["score_s_per_1k_tokens"] = 1000 * out["score_s"] / out["tokens"]
         if hasattr(scorer, "plan"):
-            out["recompute"] = bool(getattr(scorer.plan([enc]), "recompute", False))
+            plan = scorer.plan([enc])
+            out["recompute"] = bool(getattr(plan, "recompute", False))
+            out["mlp_pieces"] = bool(getattr(plan, "mlp_pieces", False))
+            out["keep_every"] = int(getattr(plan, "keep_every", 1))
             out["shares_prefix"] = scorer.shares_prefix(enc) if hasattr(scorer, "shares_prefix") else True
         return out
     fn = score if spec["what"] == "score" else forward
@@ -182,13 +185,23 @@ def sweep(args) -> dict:
             "max_memory": args.max_memory, "code": args.code or str(ROOT), "sweep": rows}
 
 
+def regime(r: dict) -> str:
+    """The recomputed regime a row ran in, in words."""
+    words = ["recomputed"]
+    if r.get("mlp_pieces"):
+        words.append("MLP in pieces")
+    if r.get("keep_every", 1) > 1:
+        words.append(f"every {r['keep_every']}th state kept")
+    return ", ".join(words)
+
+
 def sweep_line(r: dict) -> str:
     gib = 2**30
     parts = [f"{r['chain_tokens']:>6} chain tokens"]
     if "forward_equivalents" in r:
         parts.append(f"{r['forward_equivalents']:.2f} forwards ({r['score_s']:.1f}s vs {r['forward_s']:.1f}s, "
                      f"{r['score_s_per_1k_tokens']:.2f}s per 1k tokens"
-                     f"{', recomputed' if r.get('recompute') else ''})")
+                     f"{', ' + regime(r) if r.get('recompute') else ''})")
     for what in ("score", "forward"):
         if f"{what}_peak_over_model_bytes" in r:
             parts.append(f"{what} peak +{r[f'{what}_peak_over_model_bytes'] / gib:.2f} GiB")

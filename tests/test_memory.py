@@ -232,3 +232,24 @@ def test_need_grows_with_positions():
     assert fp.need(n, True, mlp_pieces=True) < fp.need(n, True)
     assert fp.need(2 * n, True, mlp_pieces=True) - fp.need(n, True, mlp_pieces=True) == \
         pytest.approx(fp.OVERHEAD * n * fp.per_token(True, mlp_pieces=True))
+
+
+def test_mlp_pieces_give_the_same_numbers_and_leave_the_model_as_it_was(tiny_lm):
+    from mist_core.passes import chunked_mlp
+
+    mlp, other = tiny_lm.blocks[0].mlp, tiny_lm.blocks[1].mlp
+    own = lambda x: type(mlp).forward(mlp, x)  # noqa: E731  (as a hook library sets one)
+    mlp.forward = own
+    try:
+        x = torch.randn(2, 21, tiny_lm.unembedding.shape[1], requires_grad=True)
+        whole = mlp(x)
+        (g_whole,) = torch.autograd.grad(whole.square().sum(), [x])
+        with chunked_mlp(tiny_lm, positions=8):  # 4 positions a row: 6 pieces
+            assert mlp.forward is not own
+            pieces = mlp(x)
+            (g_pieces,) = torch.autograd.grad(pieces.square().sum(), [x])
+        torch.testing.assert_close(pieces, whole)
+        torch.testing.assert_close(g_pieces, g_whole)
+        assert mlp.forward is own and "forward" not in other.__dict__
+    finally:
+        del mlp.forward
