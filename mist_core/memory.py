@@ -7,6 +7,7 @@ excluded), so it holds for any architecture, dtype and attention kernel without 
 models."""
 from __future__ import annotations
 
+import functools
 import gc
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -147,6 +148,7 @@ def freed_to_the_system(device: torch.device, threshold: int = 2**20):
         libc.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)
 
 
+@functools.cache
 def _glibc():
     import ctypes
     import platform

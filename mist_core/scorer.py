@@ -196,8 +196,9 @@ class Scorer:
 class BackpropScorer(Scorer):
     """A scorer whose passes backpropagate to the residual stream, with the memory model
     that sizes them: `recompute` None picks per batch the cheapest way that fits (stored
-    activations; per-block recomputation keeping every h^(l); the same keeping every k-th
-    h^(l), k ≈ √L, for one more forward), True or False forces recomputation or storing."""
+    activations; per-block recomputation keeping every h^(l); the same with the MLP in
+    pieces; the same keeping every k-th h^(l), k ≈ √L, for one more forward), True or False
+    forces recomputation or storing."""
 
     def __init__(self, lm: LM, recompute: bool | None = None, **kwargs):
         super().__init__(lm, **kwargs)
