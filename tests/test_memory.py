@@ -107,28 +107,25 @@ def test_gogi_recomputed_equals_stored(tiny_lm64, examples):
         assert a.scores.max() > 0
 
 
-def test_the_cap_picks_recomputation_only_where_needed(tiny_lm):
+def test_the_cap_picks_recomputation_only_where_needed(tiny_lm, monkeypatch):
+    from mist_core import passes
+
+    monkeypatch.setattr(passes, "MLP_POSITIONS", 16)  # pieces shorter than the chain
     encs = synthetic_encoded(4, 60, vocab=300, seed=2)
     scorer = MistScorer(tiny_lm, max_memory=10**9)
     batch = encs[:1]
     plans = scorer.plans()
     assert plans == [Plan(), Plan(recompute=True), Plan(recompute=True, mlp_pieces=True),
                      Plan(recompute=True, mlp_pieces=True, keep_every=2)]  # k = √(L + 1), L = 4
-    from mist_core import passes
-
-    passes.MLP_POSITIONS, before = 16, passes.MLP_POSITIONS  # pieces shorter than the chain
-    try:
-        needs = [scorer.need(batch, p) for p in plans]
-        # states are cheaper than the graph, the MLP in pieces cheaper still, fewer states too
-        assert needs == sorted(needs, reverse=True) and len(set(needs)) == 4
-        assert scorer.plan(batch) == plans[0]
-        for i in range(1, 4):
-            scorer.max_memory = int((needs[i - 1] + needs[i]) / 2)
-            assert scorer.plan(batch) == plans[i]
-        scorer.max_memory = int(needs[3] / 2)
-        assert scorer.plan(batch) is None
-    finally:
-        passes.MLP_POSITIONS = before
+    needs = [scorer.need(batch, p) for p in plans]
+    # states are cheaper than the graph, the MLP in pieces cheaper still, fewer states too
+    assert needs == sorted(needs, reverse=True) and len(set(needs)) == 4
+    assert scorer.plan(batch) == plans[0]
+    for i in range(1, 4):
+        scorer.max_memory = int((needs[i - 1] + needs[i]) / 2)
+        assert scorer.plan(batch) == plans[i]
+    scorer.max_memory = int(needs[3] / 2)
+    assert scorer.plan(batch) is None
     assert MistScorer(tiny_lm, recompute=True).plans() == plans[1:]
     assert MistScorer(tiny_lm, recompute=False).plans() == plans[:1]
 
