@@ -24,7 +24,7 @@ from . import memory
 from .models import LM
 from .tracing import _hidden, run_base, span_logprobs, trace
 
-# on_state(l, h): h = h^(l) [B, S, d], detached, called for l = 0..L after the forward.
+# on_state(l, h): h = h^(l) [B, S, d], detached, called for l = 0..L as the forward reaches it.
 # on_grad(l, g, h): g = ∇_{h^(l)} Σ_rows log p(span), h = h^(l), for each l in grad_layers.
 OnState = Callable[[int, torch.Tensor], None]
 OnGrad = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -64,13 +64,10 @@ def residual_pass(lm: LM, ids: torch.Tensor, spans: list[tuple[int, int]], *,
     if recompute and grad_layers:
         return _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs,
                            mlp_pieces, max(1, keep_every))
-    with trace(lm, grad=bool(grad_layers)) as tr:
+    with trace(lm, grad=bool(grad_layers), on_state=on_state) as tr:
         out = run_base(lm, ids, **base_kwargs)
         lps = span_logprobs(lm, out.last_hidden_state, spans, ids)
         del out
-        if on_state:
-            for l, h in enumerate(tr.states):
-                on_state(l, h.detach())
         if grad_layers:
             handles = [tr.states[l].register_hook(_grad_hook(on_grad, l, tr.states[l].detach()))
                        for l in grad_layers]
