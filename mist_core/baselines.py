@@ -13,8 +13,8 @@ import torch
 
 from .errors import MissingDependency
 from .models import LM
-from .passes import residual_pass
-from .scorer import BackpropScorer, Plan, ScoredChain, Scorer
+from .passes import Plan, residual_pass
+from .scorer import BackpropScorer, ScoredChain, Scorer
 from .templates import Encoded
 from .tracing import pad, run_base, span_logprobs
 
@@ -117,8 +117,7 @@ class GoGIScorer(BackpropScorer):
 
     def need(self, batch: list[Encoded], plan: Plan) -> float:
         width = max(len(e.source_ids) for e in batch)
-        return self.footprint.need(len(batch) * width, plan.recompute, keep_every=plan.keep_every,
-                                   mlp_pieces=plan.mlp_pieces,
+        return self.footprint.need(len(batch) * width, plan,
                                    logit_rows=sum(e.answer_len for e in batch),
                                    vocab=self.lm.unembedding.shape[0])
 
@@ -131,8 +130,7 @@ class GoGIScorer(BackpropScorer):
             norms[l] = g.abs().sum(-1)
 
         residual_pass(self.lm, ids, [(e.answer_start, e.answer_stop) for e in batch],
-                      grad_layers=[layer], recompute=plan.recompute,
-                      keep_every=plan.keep_every, mlp_pieces=plan.mlp_pieces, on_grad=on_grad)
+                      grad_layers=[layer], plan=plan, on_grad=on_grad)
         return [ScoredChain.from_encoded(
                     e, self.method, norms[layer][b, e.chain_start: e.chain_stop].double().cpu().numpy())
                 for b, e in enumerate(batch)]

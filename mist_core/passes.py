@@ -7,7 +7,9 @@
   forward of work; memory O(L · T · d) for the states plus one block's activations. Where
   that is still too much, the MLP runs `MLP_POSITIONS` positions at a time, its pieces
   checkpointed (the MLP is position-wise, and its intermediate width is most of a block's
-  activations), and then only every k-th state is kept through the backward.
+  activations), and then only every k-th state is kept through the backward. Where the
+  memory cap leaves room, the forward also keeps the attention output of the top blocks,
+  whose reruns then skip attention (mist_core.attention).
 
 Both give the same numbers. Callers see the states and the gradients through callbacks, layer
 by layer, so that neither the gradients of all layers nor anything beyond the pass itself is
@@ -15,12 +17,13 @@ ever held at once."""
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from . import memory
+from . import attention, memory
 from .models import LM
 from .tracing import _hidden, run_base, span_logprobs, trace
 
@@ -28,6 +31,21 @@ from .tracing import _hidden, run_base, span_logprobs, trace
 # on_grad(l, g, h): g = ∇_{h^(l)} Σ_rows log p(span), h = h^(l), for each l in grad_layers.
 OnState = Callable[[int, torch.Tensor], None]
 OnGrad = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a pass runs: with stored activations, or recomputing each block in the backward
+    (`recompute`), then also with the MLP in pieces (`mlp_pieces`), then also keeping only
+    every k-th h^(l) (`keep_every`). Each step takes less memory and more time. A
+    recomputed pass may keep the attention output of its top `attention_kept` blocks from
+    the forward without a graph, for one state's memory per block and position, so that
+    their reruns skip attention (mist_core.attention)."""
+
+    recompute: bool = False
+    mlp_pieces: bool = False
+    keep_every: int = 1
+    attention_kept: int = 0
 
 
 class PrefixKV:
@@ -44,26 +62,25 @@ class PrefixKV:
 
 
 def residual_pass(lm: LM, ids: torch.Tensor, spans: list[tuple[int, int]], *,
-                  grad_layers: Sequence[int] = (), recompute: bool = False,
-                  mlp_pieces: bool = False, keep_every: int = 1,
+                  grad_layers: Sequence[int] = (), plan: Plan = Plan(),
                   on_state: OnState | None = None, on_grad: OnGrad | None = None,
                   prefix_kv: PrefixKV | None = None, **base_kwargs) -> list[float]:
     """Run the decoder on `ids` (extra arguments go to the base model: attention_mask,
     position_ids, a prefix cache), score log p(ids[b, span_b]) and backpropagate it to the
     residual stream of `grad_layers` (block numbers 1..L). Returns each row's log p.
 
-    `mlp_pieces` (with `recompute`): run each block's MLP `MLP_POSITIONS` positions at a
-    time, each piece checkpointed (chunked_mlp): one more MLP forward per block in the
-    backward, for a block's activations without most of the MLP's.
-    `keep_every` (with `recompute`): keep h^(l) through the backward only for every k-th l
-    (and L); the states between two kept ones are computed again, without a graph, when the
-    backward reaches them. With k ≈ √L the states take O(√L · T · d) instead of O(L · T · d),
-    for one more forward without a graph.
+    `plan` (with `recompute`): `mlp_pieces` runs each block's MLP `MLP_POSITIONS` positions
+    at a time, each piece checkpointed (chunked_mlp): one more MLP forward per block in the
+    backward, for a block's activations without most of the MLP's. `keep_every` keeps
+    h^(l) through the backward only for every k-th l (and L); the states between two kept
+    ones are computed again, without a graph, when the backward reaches them. With k ≈ √L
+    the states take O(√L · T · d) instead of O(L · T · d), for one more forward without a
+    graph. `attention_kept` blocks from the top skip attention in their rerun.
     `prefix_kv`: the prefix's keys/values, needed with `recompute` when a cache is passed."""
     grad_layers = sorted(set(grad_layers))
-    if recompute and grad_layers:
+    if plan.recompute and grad_layers:
         return _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs,
-                           mlp_pieces, max(1, keep_every))
+                           plan)
     with trace(lm, grad=bool(grad_layers), on_state=on_state) as tr:
         out = run_base(lm, ids, **base_kwargs)
         lps = span_logprobs(lm, out.last_hidden_state, spans, ids)
@@ -135,19 +152,22 @@ def chunked_mlp(lm: LM, positions: int | None = None, enabled: bool = True):
 
 
 def _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs,
-                mlp_pieces, keep_every):
-    with chunked_mlp(lm, enabled=mlp_pieces), memory.freed_to_the_system(lm.device):
+                plan):
+    with chunked_mlp(lm, enabled=plan.mlp_pieces), memory.freed_to_the_system(lm.device), \
+            attention.keeping(lm, min(plan.attention_kept, lm.n_layers - grad_layers[0])) as kept:
         return _recomputed_pass(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv,
-                                base_kwargs, keep_every)
+                                base_kwargs, max(1, plan.keep_every), kept)
 
 
 def _recomputed_pass(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs,
-                     keep_every):
+                     keep_every, kept):
     L = lm.n_layers
     with trace(lm, capture_inputs=True, on_state=on_state,
                keep=lambda l: l % keep_every == 0 or l == L) as tr, torch.no_grad():
         run_base(lm, ids, **base_kwargs)
     states = tr.states
+    if kept is not None:
+        kept.recording = False
 
     def rerun(l: int, h_in: torch.Tensor) -> torch.Tensor:  # block l: h^(l-1) -> h^(l)
         args, kwargs = tr.block_inputs[l - 1]

@@ -1,19 +1,19 @@
 """The first-order MIST scorer (Eq. 4-8 of ../shared/MIST.md) and the scorer interface."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from . import memory
+from . import attention, memory
 from .errors import InvalidExample, NonFiniteScores
 from .examples import Example
 from .models import LM
 from .templates import Encoded, get_template
-from .passes import PrefixKV, residual_pass
+from .passes import Plan, PrefixKV, residual_pass
 from .tracing import Prefix, length_batches, pad, wide
 
 AXES = ("necessity", "sufficiency")
@@ -71,7 +71,8 @@ class Scorer:
     free memory once the model is loaded, 60% of the memory a CPU machine has available.
     Within it a scorer that backpropagates picks its batches and, where a batch would not
     fit otherwise, recomputes each block in the backward instead of storing its activations
-    (then also runs the MLP in pieces, then also keeps only every k-th h^(l): `Plan`).
+    (then also runs the MLP in pieces, then also keeps only every k-th h^(l): `Plan`), and
+    keeps the attention outputs of as many blocks as the rest of the cap holds.
     A batch that runs out of memory all the same is split in two and retried; a chain that
     cannot fit alone fails with InvalidExample (reason `too_long_for_memory`).
 
@@ -215,7 +216,7 @@ class BackpropScorer(Scorer):
         if self.max_tokens != "auto" or self.max_memory is None:
             return super().token_budget()
         fp = self.footprint
-        return max(1, int(self.max_memory / (fp.OVERHEAD * fp.per_token(recompute=False))))
+        return max(1, int(self.max_memory / (fp.OVERHEAD * fp.per_token(Plan()))))
 
     def plans(self) -> list[Plan]:
         every = max(2, round((self.lm.n_layers + 1) ** 0.5))
@@ -224,23 +225,20 @@ class BackpropScorer(Scorer):
         return {None: [Plan()] + recomputed, True: recomputed, False: [Plan()]}[self.recompute]
 
     def plan(self, batch: list[Encoded]) -> Plan | None:
+        """The first of `plans` that fits max_memory; a recomputing one then keeps the
+        attention output of as many blocks as the rest of the cap holds (without a cap, of
+        all L - 1 that a backward to h^(1) reruns)."""
+        plan = next((p for p in self.plans()
+                     if self.max_memory is None or self.need(batch, p) <= self.max_memory), None)
+        if plan is None or not plan.recompute or not attention.keepable(self.lm):
+            return plan
+        most = self.lm.n_layers - 1
         if self.max_memory is None:
-            return self.plans()[0]
-        for plan in self.plans():
-            if self.need(batch, plan) <= self.max_memory:
-                return plan
-        return None
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How a batch's passes run (mist_core.passes.residual_pass): with stored activations,
-    or recomputing each block in the backward, then also with the MLP in pieces, then also
-    keeping only every k-th h^(l). Each step takes less memory and more time."""
-
-    recompute: bool = False
-    mlp_pieces: bool = False
-    keep_every: int = 1
+            return replace(plan, attention_kept=most)
+        base = self.need(batch, plan)
+        per_block = self.need(batch, replace(plan, attention_kept=1)) - base
+        room = int((self.max_memory - base) // per_block) if per_block > 0 else most
+        return replace(plan, attention_kept=max(0, min(most, room)))
 
 
 def shared_prefix(enc: Encoded) -> int:
@@ -371,8 +369,7 @@ class MistScorer(BackpropScorer):
         width = max(self.batch_length(e) for e in batch)
         P = max(shared_prefix(e) for e in batch)
         answers = sum(e.answer_len for e in batch)
-        return self.footprint.need(len(batch) * width, plan.recompute, keep_every=plan.keep_every,
-                                   mlp_pieces=plan.mlp_pieces, prefix_positions=len(batch) * P,
+        return self.footprint.need(len(batch) * width, plan, prefix_positions=len(batch) * P,
                                    mask_cells=len(batch) * width * (P + width) if share else 0,
                                    logit_rows=answers, vocab=self.lm.unembedding.shape[0])
 
@@ -429,8 +426,7 @@ class MistScorer(BackpropScorer):
             phi[sel[l]] = (wide(g) * wide(h)).sum(-1)  # Eq. 4
 
         ll_src = residual_pass(lm, ids, spans, grad_layers=self.layers if nec else (),
-                               recompute=plan.recompute, keep_every=plan.keep_every,
-                               mlp_pieces=plan.mlp_pieces, on_state=on_state, on_grad=on_grad,
+                               plan=plan, on_state=on_state, on_grad=on_grad,
                                **kwargs)
         proj_t = torch.stack(proj)  # [L+1, B, S]
         layer_idx = torch.tensor(self.layers, device=lm.device)

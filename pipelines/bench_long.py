@@ -129,6 +129,7 @@ def worker(spec: dict) -> dict:
             out["recompute"] = bool(getattr(plan, "recompute", False))
             out["mlp_pieces"] = bool(getattr(plan, "mlp_pieces", False))
             out["keep_every"] = int(getattr(plan, "keep_every", 1))
+            out["attention_kept"] = int(getattr(plan, "attention_kept", 0))
             out["shares_prefix"] = scorer.shares_prefix(enc) if hasattr(scorer, "shares_prefix") else True
         return out
     fn = score if spec["what"] == "score" else forward
@@ -192,6 +193,8 @@ def regime(r: dict) -> str:
         words.append("MLP in pieces")
     if r.get("keep_every", 1) > 1:
         words.append(f"every {r['keep_every']}th state kept")
+    if r.get("attention_kept"):
+        words.append(f"attention kept in {r['attention_kept']} blocks")
     return ", ".join(words)
 
 

@@ -1,6 +1,8 @@
 """The scorer's memory regimes: stored activations or per-block recomputation, a prefix cache
 or a from-scratch source pass, all with the same numbers; batches that run out of memory are
 split, and only a chain that cannot fit alone is given up, with its reason."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -8,7 +10,7 @@ import torch
 from mist_core import InvalidExample, MistScorer
 from mist_core.baselines import GoGIScorer
 from mist_core.memory import Footprint, measure, parse_bytes
-from mist_core.scorer import Plan
+from mist_core.passes import Plan
 from pipelines.bench import synthetic_encoded
 from reference import first_order
 
@@ -77,6 +79,8 @@ def test_long_chains_every_regime_agrees_with_the_reference_fp32(monkeypatch):
     regimes = [(share, Plan(recompute=r)) for share, r in REGIMES]
     regimes += [(share, Plan(recompute=True, mlp_pieces=True)) for share in (True, False)]
     regimes += [(False, Plan(recompute=True, mlp_pieces=True, keep_every=2))]
+    regimes += [(False, Plan(recompute=True, attention_kept=2)),
+                (False, Plan(recompute=True, mlp_pieces=True, keep_every=2, attention_kept=3))]
     for share, plan in regimes:
         scorer = MistScorer(lm, share_prefix=share, max_batch=8, max_tokens=8192)
         got = forced(scorer, plan).score_encoded(encs)
@@ -85,9 +89,9 @@ def test_long_chains_every_regime_agrees_with_the_reference_fp32(monkeypatch):
                 scale = np.abs(ref[name]).max()
                 np.testing.assert_allclose(getattr(g, name), ref[name], rtol=1e-4, atol=1e-5 * scale,
                                            err_msg=f"{name} share={share} {plan}")
-    # 3 blocks rerun with a graph, ~20 pieces of 32 positions each, in each of the 3 regimes
+    # 3 blocks rerun with a graph, ~20 pieces of 32 positions each, in each of the 4 regimes
     # with the MLP in pieces
-    assert len(pieces) >= 3 * 3 * 19
+    assert len(pieces) >= 4 * 3 * 19
 
 
 def test_the_cost_model_runs_long_chains_from_scratch(tiny_lm):
@@ -121,9 +125,24 @@ def test_the_cap_picks_recomputation_only_where_needed(tiny_lm, monkeypatch):
     # states are cheaper than the graph, the MLP in pieces cheaper still, fewer states too
     assert needs == sorted(needs, reverse=True) and len(set(needs)) == 4
     assert scorer.plan(batch) == plans[0]
+    kept = []
     for i in range(1, 4):
         scorer.max_memory = int((needs[i - 1] + needs[i]) / 2)
-        assert scorer.plan(batch) == plans[i]
+        got = scorer.plan(batch)
+        assert replace(got, attention_kept=0) == plans[i]
+        # the rest of the cap keeps attention outputs: as many blocks as fit, one more would not
+        assert 0 <= got.attention_kept <= tiny_lm.n_layers - 1
+        assert scorer.need(batch, got) <= scorer.max_memory
+        if got.attention_kept < tiny_lm.n_layers - 1:
+            more = replace(got, attention_kept=got.attention_kept + 1)
+            assert scorer.need(batch, more) > scorer.max_memory
+        kept.append(got.attention_kept)
+    assert max(kept) > 0
+    scorer.max_memory = needs[1]  # recomputation fits exactly: no room to keep anything
+    assert scorer.plan(batch) == plans[1]
+    scorer.max_memory = None
+    assert MistScorer(tiny_lm, recompute=True, max_memory=None).plan(batch) == \
+        replace(plans[1], attention_kept=tiny_lm.n_layers - 1)
     scorer.max_memory = int(needs[3] / 2)
     assert scorer.plan(batch) is None
     assert MistScorer(tiny_lm, recompute=True).plans() == plans[1:]
@@ -141,6 +160,9 @@ def test_footprint_is_measured_per_token(tiny_lm):
     assert fp.stored == pytest.approx(fp.block * L)
     # the MLP saves its input and its intermediate activations (gate, up, their product, …)
     assert 2 * inter * 4 <= fp.mlp < fp.block
+    # a kept attention output: heads × head_dim values and one log-sum-exp per head
+    heads = tiny_lm.model.config.num_attention_heads
+    assert fp.attention == heads * (d // heads * 4 + 4)
 
 
 def test_a_chain_that_cannot_fit_alone_is_given_up_with_its_reason(tiny_lm64):
@@ -219,16 +241,22 @@ def test_parse_bytes():
 
 def test_need_grows_with_positions():
     fp = Footprint(stored=1000.0, block=100.0, mlp=60.0, state=5.0, layers=9, transient=20.0,
-                   mlp_transient=40.0, kv=10.0)
-    assert fp.need(200, False) == pytest.approx(2 * fp.need(100, False))
-    assert fp.need(100, True) < fp.need(100, False)
-    assert fp.need(100, True, keep_every=3) < fp.need(100, True)
+                   mlp_transient=40.0, kv=10.0, attention=6.0)
+    stored, recomputed = Plan(), Plan(recompute=True)
+    assert fp.need(200, stored) == pytest.approx(2 * fp.need(100, stored))
+    assert fp.need(100, recomputed) < fp.need(100, stored)
+    assert fp.need(100, Plan(recompute=True, keep_every=3)) < fp.need(100, recomputed)
+    # each kept attention output costs its bytes per position, at most one per layer
+    kept = [fp.need(100, replace(recomputed, attention_kept=n)) for n in (0, 1, 9, 20)]
+    assert kept[1] - kept[0] == pytest.approx(fp.OVERHEAD * 100 * 6.0)
+    assert kept[2] == pytest.approx(kept[0] + 9 * (kept[1] - kept[0])) == kept[3]
     # with the MLP in pieces a recomputed pass holds one piece, whatever its length
     from mist_core.passes import MLP_POSITIONS
     n = 4 * MLP_POSITIONS
-    assert fp.need(n, True, mlp_pieces=True) < fp.need(n, True)
-    assert fp.need(2 * n, True, mlp_pieces=True) - fp.need(n, True, mlp_pieces=True) == \
-        pytest.approx(fp.OVERHEAD * n * fp.per_token(True, mlp_pieces=True))
+    pieces = Plan(recompute=True, mlp_pieces=True)
+    assert fp.need(n, pieces) < fp.need(n, recomputed)
+    assert fp.need(2 * n, pieces) - fp.need(n, pieces) == \
+        pytest.approx(fp.OVERHEAD * n * fp.per_token(pieces))
 
 
 def test_mlp_pieces_give_the_same_numbers_and_leave_the_model_as_it_was(tiny_lm):
@@ -250,3 +278,63 @@ def test_mlp_pieces_give_the_same_numbers_and_leave_the_model_as_it_was(tiny_lm)
         assert mlp.forward is own and "forward" not in other.__dict__
     finally:
         del mlp.forward
+
+
+def test_kept_attention_gives_the_same_numbers_bit_for_bit(monkeypatch):
+    """A recomputed pass that keeps the attention outputs of its first forward gives exactly
+    the numbers of one that recomputes them, and its reruns do skip attention: the kept
+    blocks run the fused kernel once in the forward and never again. Afterwards the model
+    is on SDPA again. Where a pass has a mask (a prefix cache) nothing is kept."""
+    import mist_core.attention as attention
+
+    lm = long_model("qwen2", dtype=torch.float32)
+    encs = synthetic_encoded(2, 300, vocab=400, seed=3)
+    calls = {"forward": 0, "replayed": 0}
+    fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    replayed = attention._Replayed.apply
+
+    class Counted:
+        def __call__(self, *a, **k):
+            calls["forward"] += 1
+            return fused(*a, **k)
+
+    monkeypatch.setattr(attention, "_fused", Counted())
+    monkeypatch.setattr(attention._Replayed, "apply",
+                        lambda *a: calls.__setitem__("replayed", calls["replayed"] + 1) or replayed(*a))
+
+    def run(plan, share=False):
+        scorer = forced(MistScorer(lm, share_prefix=share, max_tokens=8192), plan)
+        return scorer.score_encoded(encs)
+
+    L = lm.n_layers
+    for plan in [Plan(recompute=True), Plan(recompute=True, mlp_pieces=True, keep_every=2)]:
+        plain = run(plan)
+        assert calls == {"forward": 0, "replayed": 0}
+        for kept in (1, L - 1, L):
+            got = run(replace(plan, attention_kept=kept))
+            # blocks L..2 are rerun (the backward stops at h^(1)): L - 1 at most are kept
+            assert calls == {"forward": min(kept, L - 1), "replayed": min(kept, L - 1)}
+            calls.update(forward=0, replayed=0)
+            for a, b in zip(plain, got):
+                for name in FIELDS:
+                    np.testing.assert_array_equal(getattr(b, name), getattr(a, name), err_msg=name)
+            assert lm.model.config._attn_implementation == "sdpa"
+    shared = run(Plan(recompute=True, attention_kept=L - 1), share=True)
+    assert calls == {"forward": 0, "replayed": 0}
+    for a, b in zip(run(Plan(recompute=True), share=True), shared):
+        np.testing.assert_array_equal(b.scores, a.scores)
+
+
+def test_kept_attention_only_where_it_applies(tiny_lm):
+    from mist_core import attention
+
+    assert attention.keepable(tiny_lm)
+    with attention.keeping(tiny_lm, 0) as kept:
+        assert kept is None
+    tiny_lm.model.set_attn_implementation("eager")
+    try:
+        assert not attention.keepable(tiny_lm)
+        with attention.keeping(tiny_lm, 2) as kept:
+            assert kept is None and tiny_lm.model.config._attn_implementation == "eager"
+    finally:
+        tiny_lm.model.set_attn_implementation("sdpa")
