@@ -13,6 +13,7 @@ import dataclasses
 import torch
 
 from mist_core import memory
+from mist_core.passes import Plan
 from pipelines.bench import SHAPES, random_model
 
 SMOLLM2 = dict(arch="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -32,8 +33,7 @@ def footprint(shape: dict, dtype: str = "bfloat16") -> tuple[memory.Footprint, f
     hd = d // heads
     per_layer = 2 * d + d * hd * (heads + 2 * kv) + heads * hd * d + 3 * d * inter
     weights = elt * (L * per_layer + 2 * v * d)
-    full = dataclasses.replace(fp, stored=fp.block * L, state=(L + 1) * d * elt,
-                               kv=fp.kv / 2 * L)
+    full = dataclasses.replace(fp, stored=fp.block * L, layers=L, kv=fp.kv / 2 * L)
     return full, weights
 
 
@@ -45,7 +45,7 @@ def main() -> None:
     print("|---|---|" + "---|" * len(LENGTHS))
     for name, shape in models.items():
         fp, weights = footprint(dict(shape))
-        cells = [f"{(weights + fp.need(n, recompute=True, logit_rows=8, vocab=shape['vocab_size'])) / gib:.1f}"
+        cells = [f"{(weights + fp.need(n, Plan(recompute=True), logit_rows=8, vocab=shape['vocab_size'])) / gib:.1f}"
                  for n in LENGTHS]
         print(f"| {name} | {weights / gib:.1f} GiB | " + " | ".join(cells) + " |")
     print("\nGiB per scoring actor: weights + one chain's passes (recomputed, with the "
