@@ -325,7 +325,7 @@ def test_kept_attention_gives_the_same_numbers_bit_for_bit(monkeypatch):
         np.testing.assert_array_equal(b.scores, a.scores)
 
 
-def test_kept_attention_only_where_it_applies(tiny_lm):
+def test_kept_attention_only_where_it_applies(tiny_lm, monkeypatch):
     from mist_core import attention
 
     assert attention.keepable(tiny_lm)
@@ -338,3 +338,17 @@ def test_kept_attention_only_where_it_applies(tiny_lm):
             assert kept is None and tiny_lm.model.config._attn_implementation == "eager"
     finally:
         tiny_lm.model.set_attn_implementation("sdpa")
+
+    def refuse(name, *args, **kwargs):
+        raise ValueError(f"{name} is not supported by this model")
+
+    # a model that refuses another attention implementation keeps nothing, and still scores
+    monkeypatch.setattr(tiny_lm.model, "set_attn_implementation", refuse)
+    with attention.keeping(tiny_lm, 2) as kept:
+        assert kept is None and tiny_lm.model.config._attn_implementation == "sdpa"
+    encs = synthetic_encoded(1, 30, vocab=300, seed=8)
+    kept_plan = Plan(recompute=True, attention_kept=tiny_lm.n_layers - 1)
+    got = forced(MistScorer(tiny_lm, share_prefix=False), kept_plan).score_encoded(encs)
+    monkeypatch.undo()
+    ref = forced(MistScorer(tiny_lm, share_prefix=False), Plan(recompute=True)).score_encoded(encs)
+    np.testing.assert_array_equal(got[0].scores, ref[0].scores)
