@@ -34,16 +34,6 @@ def keepable(lm: LM) -> bool:
             and _fused is not None)
 
 
-def per_position(lm: LM) -> float:
-    """Bytes one block's kept attention takes per token position: the output (heads ×
-    head_dim in the model's dtype) and the log-sum-exp (fp32, one per head)."""
-    config = lm.model.config
-    heads = getattr(config, "num_attention_heads", 1)
-    d = lm.unembedding.shape[1]
-    head_dim = getattr(config, "head_dim", None) or d // heads
-    return heads * (head_dim * torch.finfo(lm.dtype).bits // 8 + 4)
-
-
 class Kept:
     """Output and log-sum-exp per layer index, recorded while `recording`, each handed out
     once to the block's rerun with a graph."""
@@ -103,8 +93,7 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     layer = getattr(module, "layer_idx", None)
     fused = (kept is not None and layer in kept.layers and attention_mask is None
              and is_causal in (None, True) and getattr(module, "is_causal", True)
-             and dropout == 0.0 and query.device.type == "cpu"
-             and query.shape[2] == key.shape[2] > 1)
+             and dropout == 0.0 and query.shape[2] == key.shape[2] > 1)
     if fused and kept.recording and not torch.is_grad_enabled():
         out, lse = _fused(query, key, value, 0.0, True, scale=scaling)
         kept.outputs[layer] = (out, lse)

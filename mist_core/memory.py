@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import attention
 from .models import LM
 
 if TYPE_CHECKING:
@@ -131,7 +130,8 @@ def measure(lm: LM, tokens: int = 64) -> Footprint:
     block = stored / L
     return Footprint(stored=stored, block=block, mlp=min(mlp_saved, block), state=d * elt,
                      layers=L, transient=elt * (4 * d + 3 * qkv), mlp_transient=elt * 4 * inter,
-                     kv=2 * L * kv_heads * head_dim * elt, attention=attention.per_position(lm))
+                     kv=2 * L * kv_heads * head_dim * elt,
+                     attention=heads * (head_dim * elt + 4))  # output, fp32 log-sum-exp
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
