@@ -105,7 +105,8 @@ def worker(spec: dict) -> dict:
     import mist_core
 
     out = {"tokens": len(enc.source_ids), "chain_tokens": enc.chain_len,
-           "mist_core": str(Path(mist_core.__file__).parent)}
+           "mist_core": str(Path(mist_core.__file__).parent),
+           "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE")}
     with torch.no_grad():
         lm.model(input_ids=ids[:, :8], use_cache=False)  # weights touched: the loaded model
     if hasattr(scorer, "footprint") and kwargs:
@@ -163,6 +164,10 @@ def sweep(args) -> dict:
     """Each length: a timing process, then a memory process for the scorer and one for the
     forward. `--code DIR` measures another checkout's mist_core (before/after)."""
     env = dict(os.environ)
+    if torch.device(args.device).type == "cpu":  # as the job's CPU actors run
+        from mist_core.memory import CPU_SCORING_ENV
+
+        env = {**CPU_SCORING_ENV, **env}
     rows = []
     for n in args.sweep:
         spec = {"model": args.model, "dtype": args.dtype, "device": args.device, "tokens": n,

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import ray
 
+from mist_core import memory
+
 from .job import faults
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +53,12 @@ def gpus_per_actor(setting: float | None) -> float:
 
 
 def actor_resources(cpus_per_actor: float, gpus: float) -> dict:
-    return {"num_cpus": cpus_per_actor, **({"num_gpus": gpus} if gpus > 0 else {})}
+    """A model actor's Ray options: its CPUs and GPUs, and on a CPU the allocator settings
+    scoring there wants from the start of the process (mist_core.memory.CPU_SCORING_ENV;
+    Ray merges them into the job's runtime environment)."""
+    if gpus > 0:
+        return {"num_cpus": cpus_per_actor, "num_gpus": gpus}
+    return {"num_cpus": cpus_per_actor, "runtime_env": {"env_vars": dict(memory.CPU_SCORING_ENV)}}
 
 
 def versions() -> dict:

@@ -54,3 +54,40 @@ def test_max_memory_rejects_only_what_cannot_fit_alone(local_ray, model_dir, tmp
     uncapped = {s.id: s.scores for s in MistScorer(load_model(str(model_dir))).score_encoded(encs[:4])}
     for row in read_dir(out, "scores"):
         assert row["scores"] == pytest.approx(list(uncapped[row["id"]]), abs=1e-4)
+
+
+def test_cpu_model_actors_start_with_huge_page_allocation(local_ray):
+    """A CPU model actor's process starts with mist_core.memory.CPU_SCORING_ENV, so torch's
+    first allocation already reads it: a large CPU tensor's mapping is advised to take huge
+    pages (`hg` among its VmFlags in /proc/self/smaps)."""
+    import ray
+
+    from mist_core import memory
+    from pipelines import runtime
+
+    class Probe:  # defined here so that Ray ships it by value
+        def __call__(self, batch):
+            import os
+
+            import torch
+
+            t = torch.empty(8 * 2**20, dtype=torch.uint8)
+            ptr, inside, advised = t.data_ptr(), False, False
+            with open("/proc/self/smaps") as f:
+                for line in f:
+                    head = line.split()[0]
+                    if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                        lo, hi = (int(x, 16) for x in head.split("-"))
+                        inside = lo <= ptr < hi
+                    elif head == "VmFlags:" and inside:
+                        advised = "hg" in line.split()[1:]
+            n = len(batch["id"])
+            return {"env": [os.environ.get("THP_MEM_ALLOC_ENABLE")] * n, "advised": [advised] * n}
+
+    probe = ray.data.range(2).map_batches(Probe, compute=ray.data.ActorPoolStrategy(size=1),
+                                          **runtime.actor_resources(1, 0))
+    rows = probe.take_all()
+    assert len(rows) == 2
+    assert all(r["env"] == memory.CPU_SCORING_ENV["THP_MEM_ALLOC_ENABLE"] for r in rows)
+    assert all(r["advised"] for r in rows)
+    assert "runtime_env" not in runtime.actor_resources(1, 1)  # a GPU actor as before
