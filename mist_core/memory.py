@@ -137,8 +137,8 @@ def measure(lm: LM, tokens: int = 64) -> Footprint:
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 # The environment of a process that scores on a CPU, set before it starts (torch reads it
-# once, at its first allocation): each CPU allocation of 2 MB or more is 2 MB-aligned and
-# advised to take huge pages (PyTorch's THP_MEM_ALLOC_ENABLE). A recomputed pass maps each
+# once, at its first allocation): each CPU allocation of 2 MB or more is advised to take
+# transparent huge pages (PyTorch's THP_MEM_ALLOC_ENABLE). A recomputed pass maps each
 # of its large tensors anew (freed_to_the_system); with 4 KB pages that mapping is most of
 # its system time, with huge pages about a sixth of the page faults, for the same peak
 # (figures in docs/results/performance.md). The Ray jobs start their CPU model actors with
