@@ -154,7 +154,8 @@ def freed_to_the_system(device: torch.device, threshold: int = 2**20):
     many same-sized tensors, freed and made again block after block, leave pieces the next
     one does not fit into: on SmolLM2 at 7.7k tokens the peak RSS beyond the model came out
     anywhere from 0.78 to 1.43 GiB from run to run, and 0.33 GiB with this (for ~14 % more
-    time, the pages being mapped anew). Afterwards the threshold is 32 MiB, the most
+    time with 4 KB pages, the pages being mapped anew; nothing measurable with huge pages,
+    CPU_SCORING_ENV). Afterwards the threshold is 32 MiB, the most
     glibc's own adjustment reaches."""
     libc = _glibc() if device.type == "cpu" else None
     if libc is None:
