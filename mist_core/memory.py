@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
@@ -144,6 +145,13 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 # (figures in docs/results/performance.md). The Ray jobs start their CPU model actors with
 # it; a library user sets it in the shell.
 CPU_SCORING_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
+
+
+def cpu_scoring_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """CPU_SCORING_ENV where `environ` (this process's environment by default) does not set
+    a variable itself: THP_MEM_ALLOC_ENABLE=0 in the shell measures without huge pages."""
+    environ = os.environ if environ is None else environ
+    return {k: environ.get(k, v) for k, v in CPU_SCORING_ENV.items()}
 
 
 @contextmanager

@@ -165,9 +165,9 @@ def sweep(args) -> dict:
     forward. `--code DIR` measures another checkout's mist_core (before/after)."""
     env = dict(os.environ)
     if torch.device(args.device).type == "cpu":  # as the job's CPU actors run
-        from mist_core.memory import CPU_SCORING_ENV
+        from mist_core.memory import cpu_scoring_env
 
-        env = {**CPU_SCORING_ENV, **env}
+        env.update(cpu_scoring_env())
     rows = []
     for n in args.sweep:
         spec = {"model": args.model, "dtype": args.dtype, "device": args.device, "tokens": n,

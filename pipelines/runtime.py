@@ -54,13 +54,11 @@ def gpus_per_actor(setting: float | None) -> float:
 
 def actor_resources(cpus_per_actor: float, gpus: float) -> dict:
     """A model actor's Ray options: its CPUs and GPUs, and on a CPU the allocator settings
-    scoring there wants from the start of the process (mist_core.memory.CPU_SCORING_ENV,
-    unless this process's environment sets them otherwise; Ray merges them into the job's
-    runtime environment)."""
+    scoring there wants from the start of the process (mist_core.memory.cpu_scoring_env:
+    this process's environment wins; Ray merges them into the job's runtime environment)."""
     if gpus > 0:
         return {"num_cpus": cpus_per_actor, "num_gpus": gpus}
-    env = {k: os.environ.get(k, v) for k, v in memory.CPU_SCORING_ENV.items()}
-    return {"num_cpus": cpus_per_actor, "runtime_env": {"env_vars": env}}
+    return {"num_cpus": cpus_per_actor, "runtime_env": {"env_vars": memory.cpu_scoring_env()}}
 
 
 def versions() -> dict:

@@ -9,7 +9,7 @@ import torch
 
 from mist_core import InvalidExample, MistScorer
 from mist_core.baselines import GoGIScorer
-from mist_core.memory import Footprint, measure, parse_bytes
+from mist_core.memory import CPU_SCORING_ENV, Footprint, cpu_scoring_env, measure, parse_bytes
 from mist_core.passes import Plan
 from pipelines.bench import synthetic_encoded
 from reference import first_order
@@ -228,6 +228,11 @@ def test_other_errors_are_not_taken_for_out_of_memory(tiny_lm):
     scorer._score_batch = boom
     with pytest.raises(RuntimeError, match="shape mismatch"):
         scorer.score_encoded(synthetic_encoded(2, 10, vocab=300))
+
+
+def test_the_cpu_scoring_environment_yields_to_the_callers():
+    assert cpu_scoring_env({}) == CPU_SCORING_ENV == {"THP_MEM_ALLOC_ENABLE": "1"}
+    assert cpu_scoring_env({"THP_MEM_ALLOC_ENABLE": "0", "OTHER": "x"}) == {"THP_MEM_ALLOC_ENABLE": "0"}
 
 
 def test_parse_bytes():
