@@ -121,8 +121,11 @@ class GoGIScorer(BackpropScorer):
                                    logit_rows=sum(e.answer_len for e in batch),
                                    vocab=self.lm.unembedding.shape[0])
 
+    def lowest_grad_layer(self) -> int:
+        return max(self.lm.n_layers - 2, 0)  # l*
+
     def _score_batch(self, batch: list[Encoded], plan: Plan) -> list[ScoredChain]:
-        layer = max(self.lm.n_layers - 2, 0)
+        layer = self.lowest_grad_layer()
         ids, _ = pad([e.source_ids for e in batch], self.lm.pad_id, self.lm.device)
         norms = {}
 

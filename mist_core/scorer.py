@@ -212,6 +212,10 @@ class BackpropScorer(Scorer):
     def need(self, batch: list[Encoded], plan: Plan) -> float:
         raise NotImplementedError
 
+    def lowest_grad_layer(self) -> int:
+        """The lowest h^(l) the backward reaches: a recomputed pass reruns the blocks above it."""
+        return 1
+
     def token_budget(self) -> int:
         if self.max_tokens != "auto" or self.max_memory is None:
             return super().token_budget()
@@ -227,12 +231,12 @@ class BackpropScorer(Scorer):
     def plan(self, batch: list[Encoded]) -> Plan | None:
         """The first of `plans` that fits max_memory; a recomputing one then keeps the
         attention output of as many blocks as the rest of the cap holds (without a cap, of
-        all L - 1 that a backward to h^(1) reruns)."""
+        all that the backward reruns)."""
         plan = next((p for p in self.plans()
                      if self.max_memory is None or self.need(batch, p) <= self.max_memory), None)
         if plan is None or not plan.recompute or not attention.keepable(self.lm):
             return plan
-        most = self.lm.n_layers - 1
+        most = self.lm.n_layers - self.lowest_grad_layer()
         if self.max_memory is None:
             return replace(plan, attention_kept=most)
         base = self.need(batch, plan)
@@ -336,6 +340,9 @@ class MistScorer(BackpropScorer):
             raise ValueError(f"layers must be block numbers in 1..{L}, not {layers}")
         if self.axes != AXES:
             self.method = self.axes[0]
+
+    def lowest_grad_layer(self) -> int:
+        return self.layers[0]
 
     def batch_kind(self, enc: Encoded) -> bool:
         return self.shares_prefix(enc)

@@ -143,6 +143,9 @@ def test_the_cap_picks_recomputation_only_where_needed(tiny_lm, monkeypatch):
     scorer.max_memory = None
     assert MistScorer(tiny_lm, recompute=True, max_memory=None).plan(batch) == \
         replace(plans[1], attention_kept=tiny_lm.n_layers - 1)
+    # only the blocks a backward reruns keep theirs: above the lowest layer it reaches
+    assert MistScorer(tiny_lm, recompute=True, layers=[3, 4]).plan(batch).attention_kept == 1
+    assert GoGIScorer(tiny_lm, recompute=True).plan(batch).attention_kept == 2  # l* = L - 2
     scorer.max_memory = int(needs[3] / 2)
     assert scorer.plan(batch) is None
     assert MistScorer(tiny_lm, recompute=True).plans() == plans[1:]
