@@ -67,6 +67,17 @@ def _rss(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+def _stolen_s() -> float | None:
+    """Seconds the hypervisor has taken from this machine's CPUs so far, all CPUs together
+    (the steal column of /proc/stat), or None where there is no such column."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -112,18 +123,31 @@ def worker(spec: dict) -> dict:
     if hasattr(scorer, "footprint") and kwargs:
         scorer.footprint  # measured before the peak is reset: a one-off at load time
     if spec["what"] == "time":
+        # On a virtual machine the hypervisor takes CPU time from a run at random (here up to
+        # a quarter of it, in spells of minutes): the CPU seconds this process used and the
+        # seconds stolen meanwhile are kept beside the wall time, so that a run can be read
+        # with the stolen time left out.
         forward(), score()  # warm-up
-        tf, ts = [], []
+        tf, ts, cf, cs, steal = [], [], [], [], []
         for _ in range(spec["repeats"]):
-            for fn, acc in ((forward, tf), (score, ts)):
+            for fn, acc, cpu in ((forward, tf, cf), (score, ts, cs)):
                 _sync(device)
-                t = time.perf_counter()
+                t, c, s0 = time.perf_counter(), time.process_time(), _stolen_s()
                 fn()
                 _sync(device)
                 acc.append(time.perf_counter() - t)
+                cpu.append(time.process_time() - c)
+                s1 = _stolen_s()
+                steal.append(None if s0 is None or s1 is None else s1 - s0)
         out.update(forward_s=statistics.median(tf), score_s=statistics.median(ts),
-                   forward_runs=tf, score_runs=ts)
+                   forward_runs=tf, score_runs=ts, forward_cpu_runs=cf, score_cpu_runs=cs,
+                   stolen_runs=steal)
         out["forward_equivalents"] = out["score_s"] / out["forward_s"]
+        # the same ratio in CPU seconds: what the hypervisor takes does not count, but
+        # neither does a thread that sleeps while another finishes its share
+        out["forward_equivalents_cpu"] = statistics.median(cs) / statistics.median(cf)
+        if None not in steal:
+            out["stolen_share"] = sum(steal) / (os.cpu_count() or 1) / (sum(tf) + sum(ts))
         out["score_s_per_1k_tokens"] = 1000 * out["score_s"] / out["tokens"]
         if hasattr(scorer, "plan"):
             plan = scorer.plan([enc])
@@ -210,6 +234,9 @@ def sweep_line(r: dict) -> str:
         parts.append(f"{r['forward_equivalents']:.2f} forwards ({r['score_s']:.1f}s vs {r['forward_s']:.1f}s, "
                      f"{r['score_s_per_1k_tokens']:.2f}s per 1k tokens"
                      f"{', ' + regime(r) if r.get('recompute') else ''})")
+        if "forward_equivalents_cpu" in r:
+            stolen = f", {100 * r['stolen_share']:.0f}% of the CPUs stolen" if "stolen_share" in r else ""
+            parts.append(f"{r['forward_equivalents_cpu']:.2f} in CPU seconds{stolen}")
     for what in ("score", "forward"):
         if f"{what}_peak_over_model_bytes" in r:
             parts.append(f"{what} peak +{r[f'{what}_peak_over_model_bytes'] / gib:.2f} GiB")
