@@ -11,12 +11,15 @@
   memory cap leaves room, the forward also keeps the attention output of the top blocks,
   whose reruns then skip attention (mist_core.attention).
 
+On a CPU both run their causal attention through mist_core.attention, whose backward keeps
+every thread busy.
+
 Both give the same numbers. Callers see the states and the gradients through callbacks, layer
 by layer, so that neither the gradients of all layers nor anything beyond the pass itself is
 ever held at once."""
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -81,7 +84,8 @@ def residual_pass(lm: LM, ids: torch.Tensor, spans: list[tuple[int, int]], *,
     if plan.recompute and grad_layers:
         return _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs,
                            plan)
-    with trace(lm, grad=bool(grad_layers), on_state=on_state) as tr:
+    with trace(lm, grad=bool(grad_layers), on_state=on_state) as tr, \
+            attention.cpu_attention(lm) if grad_layers else nullcontext():
         out = run_base(lm, ids, **base_kwargs)
         lps = span_logprobs(lm, out.last_hidden_state, spans, ids)
         del out
@@ -154,7 +158,8 @@ def chunked_mlp(lm: LM, positions: int | None = None, enabled: bool = True):
 def _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs,
                 plan):
     with chunked_mlp(lm, enabled=plan.mlp_pieces), memory.freed_to_the_system(lm.device), \
-            attention.keeping(lm, min(plan.attention_kept, lm.n_layers - grad_layers[0])) as kept:
+            attention.cpu_attention(lm, min(plan.attention_kept, lm.n_layers - grad_layers[0])) \
+            as kept:
         return _recomputed_pass(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv,
                                 base_kwargs, max(1, plan.keep_every), kept)
 

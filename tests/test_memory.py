@@ -66,9 +66,16 @@ def test_long_chains_every_regime_agrees_with_the_reference_fp32(monkeypatch):
     length in one batch: every regime agrees with the independent computation to 1e-5 of
     each field's scale, with the recomputed MLP run in pieces of 64 positions (32 a chain)
     and with every second state kept."""
+    import mist_core.attention as attention
     import mist_core.passes as passes
 
     monkeypatch.setattr(passes, "MLP_POSITIONS", 64)
+    # and each attention backward split in two calls of the fused kernel (mist_core.attention)
+    monkeypatch.setattr(attention, "SPLIT_FROM", 64)
+    monkeypatch.setattr(attention, "_evener", lambda units, threads: True)
+    kernel, rectangles = attention._fused_backward, []
+    monkeypatch.setattr(attention, "_fused_backward",
+                        lambda *a, **k: (rectangles.append(1) if not a[7] else None) or kernel(*a, **k))
     pieces = []
     real = passes.checkpoint
     monkeypatch.setattr(passes, "checkpoint", lambda *a, **k: pieces.append(1) or real(*a, **k))
@@ -92,6 +99,9 @@ def test_long_chains_every_regime_agrees_with_the_reference_fp32(monkeypatch):
     # 3 blocks rerun with a graph, ~20 pieces of 32 positions each, in each of the 4 regimes
     # with the MLP in pieces
     assert len(pieces) >= 4 * 3 * 19
+    # one split backward for each of the 3 blocks above h^(1), kept or not, in each of the
+    # 6 regimes without a prefix cache (a pass that continues a cache runs SDPA)
+    assert len(rectangles) == 6 * 3
 
 
 def test_the_cost_model_runs_long_chains_from_scratch(tiny_lm):
@@ -297,18 +307,16 @@ def test_kept_attention_gives_the_same_numbers_bit_for_bit(monkeypatch):
 
     lm = long_model("qwen2", dtype=torch.float32)
     encs = synthetic_encoded(2, 300, vocab=400, seed=3)
-    calls = {"forward": 0, "replayed": 0}
+    calls = {"kept": 0, "computed": 0}  # fused forwards kept for a rerun, and in a rerun
     fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    replayed = attention._Replayed.apply
 
     class Counted:
         def __call__(self, *a, **k):
-            calls["forward"] += 1
+            kept = attention._ACTIVE.get()
+            calls["kept" if kept is not None and kept.recording else "computed"] += 1
             return fused(*a, **k)
 
     monkeypatch.setattr(attention, "_fused", Counted())
-    monkeypatch.setattr(attention._Replayed, "apply",
-                        lambda *a: calls.__setitem__("replayed", calls["replayed"] + 1) or replayed(*a))
 
     def run(plan, share=False):
         scorer = forced(MistScorer(lm, share_prefix=share, max_tokens=8192), plan)
@@ -317,32 +325,66 @@ def test_kept_attention_gives_the_same_numbers_bit_for_bit(monkeypatch):
     L = lm.n_layers
     for plan in [Plan(recompute=True), Plan(recompute=True, mlp_pieces=True, keep_every=2)]:
         plain = run(plan)
-        assert calls == {"forward": 0, "replayed": 0}
+        # blocks L..2 are rerun (the backward stops at h^(1)), each computing its attention
+        assert calls == {"kept": 0, "computed": L - 1}
+        calls.update(kept=0, computed=0)
         for kept in (1, L - 1, L):
             got = run(replace(plan, attention_kept=kept))
-            # blocks L..2 are rerun (the backward stops at h^(1)): L - 1 at most are kept
-            assert calls == {"forward": min(kept, L - 1), "replayed": min(kept, L - 1)}
-            calls.update(forward=0, replayed=0)
+            # L - 1 at most are kept, and their reruns compute no attention
+            assert calls == {"kept": min(kept, L - 1), "computed": L - 1 - min(kept, L - 1)}
+            calls.update(kept=0, computed=0)
             for a, b in zip(plain, got):
                 for name in FIELDS:
                     np.testing.assert_array_equal(getattr(b, name), getattr(a, name), err_msg=name)
             assert lm.model.config._attn_implementation == "sdpa"
     shared = run(Plan(recompute=True, attention_kept=L - 1), share=True)
-    assert calls == {"forward": 0, "replayed": 0}
+    assert calls == {"kept": 0, "computed": 0}
     for a, b in zip(run(Plan(recompute=True), share=True), shared):
         np.testing.assert_array_equal(b.scores, a.scores)
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads,positions",
+                         [(1, 9, 3, 64), (1, 9, 3, 67), (1, 3, 3, 131), (3, 2, 1, 133), (2, 4, 1, 5)])
+def test_a_split_attention_backward_equals_the_kernels(monkeypatch, batch, heads, kv_heads,
+                                                       positions):
+    """The two calls of the fused kernel over halves and quarters of the sequence (odd
+    lengths padded) give the gradients of the one call over the whole, grouped heads or not;
+    where the pieces share out evenly over the threads the kernel runs once, as it is."""
+    from mist_core import attention
+
+    monkeypatch.setattr(attention, "SPLIT_FROM", 2)
+    g = torch.Generator().manual_seed(positions)
+    q = torch.randn(batch, heads, positions, 16, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(batch, kv_heads, positions, 16, dtype=torch.float64, generator=g)
+            for _ in range(2))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    grad = torch.randn(out.shape, dtype=out.dtype, generator=g)
+    whole = attention._fused_backward(grad, q, k, v, out, lse, 0.0, True)
+    kernel, calls = attention._fused_backward, []
+    monkeypatch.setattr(attention, "_fused_backward", lambda *a, **kw: calls.append(a[7]) or kernel(*a, **kw))
+    even = attention.split_backward(grad, q, k, v, out, lse, threads=batch * kv_heads)
+    assert calls == [True] and all(torch.equal(e, w) for e, w in zip(even, whole))
+    calls.clear()
+    split = attention.split_backward(grad, q, k, v, out, lse, threads=2 * batch * kv_heads + 1)
+    assert calls == [True, False]  # the causal halves, then the rectangle's quarters
+    for name, w, s in zip("qkv", whole, split):
+        assert s.shape == w.shape
+        torch.testing.assert_close(s, w, rtol=1e-12, atol=1e-12, msg=name)
+    assert attention._evener(3, 2) and attention._evener(1, 2) and not attention._evener(2, 2)
+    assert not attention._evener(24, 2) and not attention._evener(3, 1)
 
 
 def test_kept_attention_only_where_it_applies(tiny_lm, monkeypatch):
     from mist_core import attention
 
     assert attention.keepable(tiny_lm)
-    with attention.keeping(tiny_lm, 0) as kept:
-        assert kept is None
+    with attention.cpu_attention(tiny_lm, 0) as kept:  # attention here, nothing kept
+        assert kept is None and tiny_lm.model.config._attn_implementation == attention.NAME
+    assert tiny_lm.model.config._attn_implementation == "sdpa"
     tiny_lm.model.set_attn_implementation("eager")
     try:
         assert not attention.keepable(tiny_lm)
-        with attention.keeping(tiny_lm, 2) as kept:
+        with attention.cpu_attention(tiny_lm, 2) as kept:
             assert kept is None and tiny_lm.model.config._attn_implementation == "eager"
     finally:
         tiny_lm.model.set_attn_implementation("sdpa")
@@ -352,7 +394,7 @@ def test_kept_attention_only_where_it_applies(tiny_lm, monkeypatch):
 
     # a model that refuses another attention implementation keeps nothing, and still scores
     monkeypatch.setattr(tiny_lm.model, "set_attn_implementation", refuse)
-    with attention.keeping(tiny_lm, 2) as kept:
+    with attention.cpu_attention(tiny_lm, 2) as kept:
         assert kept is None and tiny_lm.model.config._attn_implementation == "sdpa"
     encs = synthetic_encoded(1, 30, vocab=300, seed=8)
     kept_plan = Plan(recompute=True, attention_kept=tiny_lm.n_layers - 1)
