@@ -36,8 +36,9 @@ _fused_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_f
                           None)
 NAME = "mist_cpu_sdpa"  # the transformers attention implementation registered here
 _ACTIVE: ContextVar["Kept | None"] = ContextVar("mist_kept_attention", default=None)
-# Query positions from which a backward is split: below, the copies cost more than the
-# idle threads (on SmolLM2, 2 threads: ~15% less time at 2k positions, nothing at 512).
+# Query positions from which a backward is split: below, the copies cost about what the
+# idle threads do (one layer of SmolLM2 on 2 threads: ~10% less time at 2k and 4k
+# positions, within noise at 512 and 1k, 46% more at 256).
 SPLIT_FROM = 1024
 
 
