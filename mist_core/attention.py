@@ -109,7 +109,9 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
 
     causal = (attention_mask is None and is_causal in (None, True)
               and getattr(module, "is_causal", True) and dropout == 0.0
-              and query.shape[2] == key.shape[2] > 1)
+              and query.shape[2] == key.shape[2] > 1
+              and query.shape[-1] == key.shape[-1] == value.shape[-1]
+              and kwargs.get("position_bias") is None and kwargs.get("softcap") is None)
     if causal:
         kept = _ACTIVE.get()
         layer = getattr(module, "layer_idx", None)
