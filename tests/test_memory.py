@@ -73,9 +73,10 @@ def test_long_chains_every_regime_agrees_with_the_reference_fp32(monkeypatch):
     # and each attention backward split in two calls of the fused kernel (mist_core.attention)
     monkeypatch.setattr(attention, "SPLIT_FROM", 64)
     monkeypatch.setattr(attention, "_evener", lambda units, threads: True)
-    kernel, rectangles = attention._fused_backward, []
+    kernel, stacked = attention._fused_backward, []  # calls over pieces stacked as batch rows
     monkeypatch.setattr(attention, "_fused_backward",
-                        lambda *a, **k: (rectangles.append(1) if not a[7] else None) or kernel(*a, **k))
+                        lambda *a, **k: (stacked.append(1) if a[1].shape[0] == 4 else None)
+                        or kernel(*a, **k))
     pieces = []
     real = passes.checkpoint
     monkeypatch.setattr(passes, "checkpoint", lambda *a, **k: pieces.append(1) or real(*a, **k))
@@ -99,9 +100,10 @@ def test_long_chains_every_regime_agrees_with_the_reference_fp32(monkeypatch):
     # 3 blocks rerun with a graph, ~20 pieces of 32 positions each, in each of the 4 regimes
     # with the MLP in pieces
     assert len(pieces) >= 4 * 3 * 19
-    # one split backward for each of the 3 blocks above h^(1), kept or not, in each of the
-    # 6 regimes without a prefix cache (a pass that continues a cache runs SDPA)
-    assert len(rectangles) == 6 * 3
+    # a split backward (the halves, then the quarters) for each of the 3 blocks above h^(1),
+    # kept or not, in each of the 6 regimes without a prefix cache (a pass that continues a
+    # cache runs SDPA)
+    assert len(stacked) == 6 * 3 * 2
 
 
 def test_the_cost_model_runs_long_chains_from_scratch(tiny_lm):
@@ -347,9 +349,10 @@ def test_kept_attention_gives_the_same_numbers_bit_for_bit(monkeypatch):
                          [(1, 9, 3, 64), (1, 9, 3, 67), (1, 3, 3, 131), (3, 2, 1, 133), (2, 4, 1, 5)])
 def test_a_split_attention_backward_equals_the_kernels(monkeypatch, batch, heads, kv_heads,
                                                        positions):
-    """The two calls of the fused kernel over halves and quarters of the sequence (odd
-    lengths padded) give the gradients of the one call over the whole, grouped heads or not;
-    where the pieces share out evenly over the threads the kernel runs once, as it is."""
+    """The two calls of the fused kernel over halves and quarters of the sequence (and two
+    small ones over the last 1-3 positions, where the length does not divide by 4) give the
+    gradients of the one call over the whole, grouped heads or not; where the pieces share
+    out evenly over the threads the kernel runs once, as it is."""
     from mist_core import attention
 
     monkeypatch.setattr(attention, "SPLIT_FROM", 2)
@@ -366,12 +369,52 @@ def test_a_split_attention_backward_equals_the_kernels(monkeypatch, batch, heads
     assert calls == [True] and all(torch.equal(e, w) for e, w in zip(even, whole))
     calls.clear()
     split = attention.split_backward(grad, q, k, v, out, lse, threads=2 * batch * kv_heads + 1)
-    assert calls == [True, False]  # the causal halves, then the rectangle's quarters
+    # the causal halves, then the rectangle's quarters, then the last positions
+    assert calls == [True, False] + [True, False] * (positions % 4 > 0)
     for name, w, s in zip("qkv", whole, split):
         assert s.shape == w.shape
         torch.testing.assert_close(s, w, rtol=1e-12, atol=1e-12, msg=name)
     assert attention._evener(3, 2) and attention._evener(1, 2) and not attention._evener(2, 2)
     assert not attention._evener(24, 2) and not attention._evener(3, 1)
+
+
+@pytest.mark.parametrize("batch,positions,live,split", [
+    (1, 64, (60, 63), False), (2, 67, (40, 67), False), (1, 131, (0, 50), False),
+    (1, 301, (200, 298), True), (3, 133, (66, 130), True), (1, 40, (0, 0), False)])
+def test_an_attention_backward_runs_only_the_live_rows(monkeypatch, batch, positions, live,
+                                                      split):
+    """Where most query positions have a zero output gradient (a last block, whose output
+    reaches only the answer's logits), only the others run, split or not, and the
+    gradients are the whole kernel's."""
+    from mist_core import attention
+
+    monkeypatch.setattr(attention, "SPLIT_FROM", 64)
+    g = torch.Generator().manual_seed(positions)
+    q = torch.randn(batch, 6, positions, 8, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(batch, 2, positions, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    grad = torch.zeros(out.shape, dtype=out.dtype)
+    lo, hi = live
+    grad[-1, :, lo:hi] = torch.randn(grad[-1, :, lo:hi].shape, dtype=out.dtype, generator=g)
+    if hi > lo:
+        grad[0, 1, lo] = 1.0  # live in another batch row and one head
+    assert attention.live_rows(grad) == (lo, hi)
+    assert attention.live_rows(grad.new_full((1, 1, 9, 2), float("nan"))) == (0, 9)
+    whole = attention._fused_backward(grad, q, k, v, out, lse, 0.0, True)
+    kernel, queries = attention._fused_backward, []
+    monkeypatch.setattr(attention, "_fused_backward",
+                        lambda *a, **kw: queries.append(a[1].shape[0] * a[1].shape[2]) or kernel(*a, **kw))
+    got = attention.split_backward(grad, q, k, v, out, lse, threads=4 * batch * 2 + 1 if split else 1)
+    for name, w, s in zip("qkv", whole, got):
+        torch.testing.assert_close(s, w, rtol=1e-12, atol=1e-12, msg=name)
+    n, before = hi - lo, int(lo > 0)  # live queries; whether keys before them run
+    if 2 * n > positions:
+        assert queries == [batch * positions]
+    elif split:  # halves, quarters (half the queries again), the keys before, the last 0-3
+        m, r = n // 4, n % 4
+        assert sum(queries) == batch * (4 * m + 2 * m + before * 4 * m + r + r * (lo + m > 0))
+    else:  # against their own keys, then against the keys before them
+        assert sum(queries) == batch * n * (1 + before)
 
 
 def test_kept_attention_only_where_it_applies(tiny_lm, monkeypatch):
@@ -401,4 +444,5 @@ def test_kept_attention_only_where_it_applies(tiny_lm, monkeypatch):
     got = forced(MistScorer(tiny_lm, share_prefix=False), kept_plan).score_encoded(encs)
     monkeypatch.undo()
     ref = forced(MistScorer(tiny_lm, share_prefix=False), Plan(recompute=True)).score_encoded(encs)
-    np.testing.assert_array_equal(got[0].scores, ref[0].scores)
+    # the same kernel, but here the last block's backward runs only the answer's rows
+    np.testing.assert_allclose(got[0].scores, ref[0].scores, rtol=1e-5, atol=1e-6)
