@@ -9,7 +9,9 @@
   checkpointed (the MLP is position-wise, and its intermediate width is most of a block's
   activations), and then only every k-th state is kept through the backward. Where the
   memory cap leaves room, the forward also keeps the attention output of the top blocks,
-  whose reruns then skip attention (mist_core.attention).
+  whose reruns then skip attention (mist_core.attention). Nothing reads a rerun's output,
+  only its backward, so in the models of UNREAD_DOWN_PROJ the rerun does not compute the
+  MLP's last projection (unread_down_proj).
 
 On a CPU both run their causal attention through mist_core.attention, whose backward keeps
 every thread busy.
@@ -155,9 +157,63 @@ def chunked_mlp(lm: LM, positions: int | None = None, enabled: bool = True):
                 m.forward = forward
 
 
+# Models whose decoder block adds its MLP's output, which is the MLP's last projection's,
+# straight to the residual stream (transformers' modeling code, checked for each).
+UNREAD_DOWN_PROJ = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+class _BackwardOnly(torch.autograd.Function):
+    """A linear map whose output nobody reads, only its backward: the input's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(weight)
+        return x.new_zeros(()).expand(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        return grad @ weight, None
+
+
+@contextmanager
+def unread_down_proj(lm: LM):
+    """Within the block, under autograd, the blocks' last MLP projection is not computed,
+    only its backward runs. A recomputed pass reruns a block only for its backward: nothing
+    reads the rerun's output, and in these models (UNREAD_DOWN_PROJ) that projection feeds
+    the output alone, through a sum whose backward needs no values. About a quarter of a
+    block's projections (SmolLM2: 0.9 of 3.5 M multiply-adds a token). Without autograd
+    (the first forward, the states between kept ones) it runs as it is."""
+    downs = [getattr(getattr(b, "mlp", None), "down_proj", None) for b in lm.blocks]
+    if (getattr(lm.model.config, "model_type", None) not in UNREAD_DOWN_PROJ
+            or not all(isinstance(d, torch.nn.Linear) for d in downs)):
+        yield
+        return
+
+    def unread(forward, weight):
+        def run(x):
+            if torch.is_grad_enabled() and x.requires_grad:
+                return _BackwardOnly.apply(x, weight)
+            return forward(x)
+        return run
+
+    own = [d.__dict__.get("forward") for d in downs]
+    for d in downs:
+        d.forward = unread(d.forward, d.weight)
+    try:
+        yield
+    finally:
+        for d, forward in zip(downs, own):
+            if forward is None:
+                del d.forward
+            else:
+                d.forward = forward
+
+
 def _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs,
                 plan):
     with chunked_mlp(lm, enabled=plan.mlp_pieces), memory.freed_to_the_system(lm.device), \
+            unread_down_proj(lm), \
             attention.cpu_attention(lm, min(plan.attention_kept, lm.n_layers - grad_layers[0])) \
             as kept:
         return _recomputed_pass(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv,

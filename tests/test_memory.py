@@ -417,6 +417,44 @@ def test_an_attention_backward_runs_only_the_live_rows(monkeypatch, batch, posit
         assert sum(queries) == batch * n * (1 + before)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_a_rerun_does_not_compute_the_unread_projection(monkeypatch, arch):
+    """A recomputed pass's reruns, whose outputs only their own backward reads, skip the
+    last MLP projection (which in these models feeds the block's output alone) and run its
+    backward, with the stored pass's numbers; a model not known to add it straight to the
+    residual stream computes it."""
+    lm = long_model(arch)
+    encs = synthetic_encoded(2, 40, vocab=400, seed=5)
+    computed = []  # each call under autograd: whether the projection's output was computed
+
+    def spy(module, args, out):
+        if torch.is_grad_enabled():
+            computed.append(out.stride(-1) != 0)
+
+    hooks = [b.mlp.down_proj.register_forward_hook(spy) for b in lm.blocks]
+    try:
+        def run(plan):
+            computed.clear()
+            return forced(MistScorer(lm, share_prefix=False), plan).score_encoded(encs)
+
+        stored = run(Plan())
+        assert computed.count(False) == 0 and computed.count(True) == 2 * lm.n_layers
+        rerun = run(Plan(recompute=True, mlp_pieces=True))
+        # blocks L..2 rerun, each once (pieces of 1,024 positions: one here)
+        assert computed.count(False) == lm.n_layers - 1
+        for a, b in zip(stored, rerun):
+            for name in FIELDS:
+                np.testing.assert_allclose(getattr(b, name), getattr(a, name), rtol=1e-9,
+                                           atol=1e-12, err_msg=name)
+        monkeypatch.setattr(lm.model.config, "model_type", "another")
+        run(Plan(recompute=True))
+        assert computed.count(False) == 0
+    finally:
+        for h in hooks:
+            h.remove()
+    assert all("forward" not in b.mlp.down_proj.__dict__ for b in lm.blocks)
+
+
 def test_kept_attention_only_where_it_applies(tiny_lm, monkeypatch):
     from mist_core import attention
 
