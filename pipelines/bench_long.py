@@ -129,20 +129,25 @@ def worker(spec: dict) -> dict:
         # with the stolen time left out.
         forward(), score()  # warm-up
         tf, ts, cf, cs, steal = [], [], [], [], []
-        for _ in range(spec["repeats"]):
-            for fn, acc, cpu in ((forward, tf, cf), (score, ts, cs)):
-                _sync(device)
-                t, c, s0 = time.perf_counter(), time.process_time(), _stolen_s()
-                fn()
-                _sync(device)
-                acc.append(time.perf_counter() - t)
-                cpu.append(time.process_time() - c)
-                s1 = _stolen_s()
-                steal.append(None if s0 is None or s1 is None else s1 - s0)
+        # forward, score, forward, ..., score, forward: each scoring between two forwards
+        for fn, acc, cpu in [(forward, tf, cf), (score, ts, cs)] * spec["repeats"] + [(forward, tf, cf)]:
+            _sync(device)
+            t, c, s0 = time.perf_counter(), time.process_time(), _stolen_s()
+            fn()
+            _sync(device)
+            acc.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - c)
+            s1 = _stolen_s()
+            steal.append(None if s0 is None or s1 is None else s1 - s0)
         out.update(forward_s=statistics.median(tf), score_s=statistics.median(ts),
                    forward_runs=tf, score_runs=ts, forward_cpu_runs=cf, score_cpu_runs=cs,
                    stolen_runs=steal)
         out["forward_equivalents"] = out["score_s"] / out["forward_s"]
+        # each scoring against the mean of the forwards just before and after it: where the
+        # machine's speed drifts from repeat to repeat (here by up to a fifth over a few
+        # minutes, in CPU seconds too), like is compared with like
+        out["forward_equivalents_paired"] = statistics.median(
+            s / ((a + b) / 2) for s, a, b in zip(ts, tf, tf[1:]))
         # the fastest repeat of each: what the machine's noise, which only adds time, touched least
         out["forward_equivalents_fastest"] = min(ts) / min(tf)
         # the same ratio in CPU seconds: what the hypervisor takes does not count, but
@@ -238,7 +243,9 @@ def sweep_line(r: dict) -> str:
                      f"{', ' + regime(r) if r.get('recompute') else ''})")
         if "forward_equivalents_cpu" in r:
             stolen = f", {100 * r['stolen_share']:.0f}% of the CPUs stolen" if "stolen_share" in r else ""
-            parts.append(f"fastest repeats {r['forward_equivalents_fastest']:.2f}, "
+            paired = (f"each scoring between two forwards {r['forward_equivalents_paired']:.2f}, "
+                      if "forward_equivalents_paired" in r else "")
+            parts.append(f"{paired}fastest repeats {r['forward_equivalents_fastest']:.2f}, "
                          f"{r['forward_equivalents_cpu']:.2f} in CPU seconds{stolen}")
     for what in ("score", "forward"):
         if f"{what}_peak_over_model_bytes" in r:

@@ -71,6 +71,8 @@ def test_length_sweep_measures_each_length_in_its_own_processes(tmp_path, capsys
         assert row["forward_equivalents"] > 0 and row["score_s"] > 0
         assert row["forward_equivalents_cpu"] > 0 and len(row["score_cpu_runs"]) == 1
         assert row["forward_equivalents_fastest"] == min(row["score_runs"]) / min(row["forward_runs"])
+        f, (sc,) = row["forward_runs"], row["score_runs"]  # forward, score, forward
+        assert len(f) == 2 and row["forward_equivalents_paired"] == sc / ((f[0] + f[1]) / 2)
         assert 0 <= row["stolen_share"] <= 1  # this machine's /proc/stat has the steal column
         assert row["score_peak_over_model_bytes"] >= 0 and row["model_bytes"] > 0
         assert row["recompute"] is False  # 64MB holds a tiny model's stored pass
