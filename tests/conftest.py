@@ -48,12 +48,14 @@ def tokenizer():
 
 
 def make_model(arch: str, vocab: int, dtype=torch.float32, layers: int = 4, seed: int = 0):
-    from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config)
+    from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config,
+                              Qwen3Config)
 
     common = dict(vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   tie_word_embeddings=False)
-    config = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch](**common)
+    config = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig,
+              "qwen3": Qwen3Config}[arch](**common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     # Random init gives near-uniform logits; larger weights make the answer depend on the

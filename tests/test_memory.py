@@ -417,7 +417,7 @@ def test_an_attention_backward_runs_only_the_live_rows(monkeypatch, batch, posit
         assert sum(queries) == batch * n * (1 + before)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
 def test_a_rerun_does_not_compute_the_unread_projection(monkeypatch, arch):
     """A recomputed pass's reruns, whose outputs only their own backward reads, skip the
     last MLP projection (which in these models feeds the block's output alone) and run its
