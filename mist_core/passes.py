@@ -130,7 +130,7 @@ def chunked_mlp(lm: LM, positions: int | None = None, enabled: bool = True):
         yield
         return
 
-    def pieces(forward):
+    def pieces(mlp, forward):
         def run(x, *args, **kwargs):
             step = max(1, positions // x.shape[0])
             if x.dim() != 3 or x.shape[1] <= step:
@@ -144,15 +144,23 @@ def chunked_mlp(lm: LM, positions: int | None = None, enabled: bool = True):
             return torch.cat(outs, 1)
         return run
 
-    own = [m.__dict__.get("forward") for m in mlps]  # a forward set on the instance (hooks)
-    for m in mlps:
-        m.forward = pieces(m.forward)
+    with _wrapped_forwards(mlps, pieces):
+        yield
+
+
+@contextmanager
+def _wrapped_forwards(modules, wrap):
+    """Within the block, each module's forward is wrap(module, its forward); afterwards the
+    forward it had again (one set on the instance, by hooks, or else its class's)."""
+    own = [m.__dict__.get("forward") for m in modules]
+    for m in modules:
+        m.forward = wrap(m, m.forward)
     try:
         yield
     finally:
-        for m, forward in zip(mlps, own):
+        for m, forward in zip(modules, own):
             if forward is None:
-                del m.forward  # the class's forward again
+                del m.forward
             else:
                 m.forward = forward
 
@@ -190,24 +198,15 @@ def unread_down_proj(lm: LM):
         yield
         return
 
-    def unread(forward, weight):
+    def unread(down, forward):
         def run(x):
             if torch.is_grad_enabled() and x.requires_grad:
-                return _BackwardOnly.apply(x, weight)
+                return _BackwardOnly.apply(x, down.weight)
             return forward(x)
         return run
 
-    own = [d.__dict__.get("forward") for d in downs]
-    for d in downs:
-        d.forward = unread(d.forward, d.weight)
-    try:
+    with _wrapped_forwards(downs, unread):
         yield
-    finally:
-        for d, forward in zip(downs, own):
-            if forward is None:
-                del d.forward
-            else:
-                d.forward = forward
 
 
 def _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs,
