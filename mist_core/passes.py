@@ -14,7 +14,8 @@
   MLP's last projection (unread_down_proj).
 
 On a CPU both run their causal attention through mist_core.attention, whose backward keeps
-every thread busy.
+every thread busy; on any device both run transformers' RMSNorms with their derivative in
+closed form (mist_core.norms), a few passes over the states where autograd's takes a dozen.
 
 Both give the same numbers. Callers see the states and the gradients through callbacks, layer
 by layer, so that neither the gradients of all layers nor anything beyond the pass itself is
@@ -30,7 +31,8 @@ from torch.utils.checkpoint import checkpoint
 
 from . import attention, memory
 from .models import LM
-from .tracing import _hidden, run_base, span_logprobs, trace
+from .norms import fused_norms
+from .tracing import _hidden, run_base, span_logprobs, trace, wrapped_forwards
 
 # on_state(l, h): h = h^(l) [B, S, d], detached, called for l = 0..L as the forward reaches it.
 # on_grad(l, g, h): g = ∇_{h^(l)} Σ_rows log p(span), h = h^(l), for each l in grad_layers.
@@ -87,7 +89,8 @@ def residual_pass(lm: LM, ids: torch.Tensor, spans: list[tuple[int, int]], *,
         return _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs,
                            plan)
     with trace(lm, grad=bool(grad_layers), on_state=on_state) as tr, \
-            attention.cpu_attention(lm) if grad_layers else nullcontext():
+            attention.cpu_attention(lm) if grad_layers else nullcontext(), \
+            fused_norms(lm) if grad_layers else nullcontext():
         out = run_base(lm, ids, **base_kwargs)
         lps = span_logprobs(lm, out.last_hidden_state, spans, ids)
         del out
@@ -144,25 +147,8 @@ def chunked_mlp(lm: LM, positions: int | None = None, enabled: bool = True):
             return torch.cat(outs, 1)
         return run
 
-    with _wrapped_forwards(mlps, pieces):
+    with wrapped_forwards(mlps, pieces):
         yield
-
-
-@contextmanager
-def _wrapped_forwards(modules, wrap):
-    """Within the block, each module's forward is wrap(module, its forward); afterwards the
-    forward it had again (one set on the instance, by hooks, or else its class's)."""
-    own = [m.__dict__.get("forward") for m in modules]
-    for m in modules:
-        m.forward = wrap(m, m.forward)
-    try:
-        yield
-    finally:
-        for m, forward in zip(modules, own):
-            if forward is None:
-                del m.forward
-            else:
-                m.forward = forward
 
 
 # Models whose decoder block adds its MLP's output, which is the MLP's last projection's,
@@ -205,14 +191,14 @@ def unread_down_proj(lm: LM):
             return forward(x)
         return run
 
-    with _wrapped_forwards(downs, unread):
+    with wrapped_forwards(downs, unread):
         yield
 
 
 def _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs,
                 plan):
     with chunked_mlp(lm, enabled=plan.mlp_pieces), memory.freed_to_the_system(lm.device), \
-            unread_down_proj(lm), \
+            unread_down_proj(lm), fused_norms(lm), \
             attention.cpu_attention(lm, min(plan.attention_kept, lm.n_layers - grad_layers[0])) \
             as kept:
         return _recomputed_pass(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv,

@@ -68,6 +68,23 @@ def trace(lm: LM, grad: bool = False, capture_inputs: bool = False, on_state=Non
             h.remove()
 
 
+@contextmanager
+def wrapped_forwards(modules, wrap):
+    """Within the block, each module's forward is wrap(module, its forward); afterwards the
+    forward it had again (one set on the instance, by hooks, or else its class's)."""
+    own = [m.__dict__.get("forward") for m in modules]
+    for m in modules:
+        m.forward = wrap(m, m.forward)
+    try:
+        yield
+    finally:
+        for m, forward in zip(modules, own):
+            if forward is None:
+                del m.forward
+            else:
+                m.forward = forward
+
+
 def wide(t: torch.Tensor) -> torch.Tensor:
     """Half-precision tensors go up to fp32 for reductions; fp32 and fp64 stay as they are."""
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t

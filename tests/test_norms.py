@@ -1,0 +1,92 @@
+"""The RMSNorm with a backward of its own (mist_core.norms): the forward of transformers'
+norms bit for bit, their derivative, and the passes that use it."""
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+
+from mist_core import MistScorer, norms
+from mist_core.passes import Plan
+from pipelines.bench import synthetic_encoded
+
+
+def norm_modules(model):
+    return [m for m in model.modules() if type(m) in norms.known_norms()]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_norm_forward_is_transformers_and_its_backward_the_derivative(arch, dtype):
+    from conftest import make_model
+    from mist_core.models import wrap_model
+
+    lm = wrap_model(make_model(arch, 300, dtype=dtype), None, f"tiny-{arch}")
+    found = norm_modules(lm.model)
+    # two a block and the final one (Qwen3 also normalises its queries and keys)
+    assert len(found) == (4 if arch == "qwen3" else 2) * lm.n_layers + 1
+    gen = torch.Generator().manual_seed(3)
+    for m in found:
+        m.weight.copy_(torch.randn(m.weight.shape, generator=gen) + 1)
+    for m in found[:3] + found[-1:]:
+        d = m.weight.shape[0]
+        x = (3 * torch.randn(2, 7, d, generator=gen)).to(dtype).requires_grad_(True)
+        g = torch.randn(2, 7, d, generator=gen).to(dtype)
+        expected = m(x)
+        (autograd,) = torch.autograd.grad(expected, x, g)
+        with norms.fused_norms(lm):
+            got = m(x)
+            assert got.grad_fn is not None and "_RMSNorm" in type(got.grad_fn).__name__
+            (fused,) = torch.autograd.grad(got, x, g)
+        assert torch.equal(got, expected)
+        # the derivative in fp64 of the same function, against which both are roundings
+        x64 = x.detach().double().requires_grad_(True)
+        y64 = m.weight.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True)
+                                                   + m.variance_epsilon)
+        (exact,) = torch.autograd.grad(y64, x64, g.double())
+        scale = exact.abs().max()
+        tol = 1e-6 if dtype == torch.float32 else 2e-2
+        assert (fused.double() - exact).abs().max() <= tol * scale
+        assert (fused.double() - autograd.double()).abs().max() <= 2 * tol * scale
+    assert all("forward" not in m.__dict__ for m in found)
+
+
+def test_the_norm_runs_as_it_is_where_no_derivative_is_taken_this_way(tiny_lm):
+    m = norm_modules(tiny_lm.model)[0]
+    x = torch.randn(1, 5, m.weight.shape[0], requires_grad=True)
+    with norms.fused_norms(tiny_lm):
+        with torch.no_grad():  # no graph: as it is
+            assert m(x).grad_fn is None
+        assert m(x.detach()).grad_fn is None  # an input without a graph: as it is
+        m.weight.requires_grad_(True)  # a weight that wants its gradient: autograd's backward
+        try:
+            assert "_RMSNorm" not in type(m(x).grad_fn).__name__
+        finally:
+            m.weight.requires_grad_(False)
+        assert "_RMSNorm" in type(m(x).grad_fn).__name__
+
+
+@pytest.mark.parametrize("plan", [Plan(), Plan(recompute=True, mlp_pieces=True)],
+                         ids=["stored", "recomputed"])
+def test_both_passes_use_it_with_autograds_numbers(monkeypatch, tiny_lm, plan):
+    """Every norm a pass backpropagates through runs as _RMSNorm, and the scores are those
+    of autograd's backward (fp32: to rounding)."""
+    from test_memory import FIELDS, forced
+
+    encs = synthetic_encoded(2, 30, vocab=300, seed=4)
+    calls = []
+    apply = norms._RMSNorm.apply
+    monkeypatch.setattr(norms._RMSNorm, "apply", lambda *a: calls.append(1) or apply(*a))
+    fused = forced(MistScorer(tiny_lm, share_prefix=False), plan).score_encoded(encs)
+    L = tiny_lm.n_layers
+    # the no-chain pass and the source pass, each through 2 norms a block and the final
+    # one; a recomputed source pass through the reruns of blocks L..2 and the final norm
+    assert len(calls) == (2 * L + 1) + ((2 * (L - 1) + 1) if plan.recompute else (2 * L + 1))
+
+    monkeypatch.setattr("mist_core.passes.fused_norms", lambda lm: contextlib.nullcontext())
+    plain = forced(MistScorer(tiny_lm, share_prefix=False), plan).score_encoded(encs)
+    for a, b in zip(fused, plain):
+        for name in FIELDS:  # to 1e-5 of each field's largest value
+            want = np.asarray(getattr(b, name))
+            np.testing.assert_allclose(getattr(a, name), want, rtol=1e-5,
+                                       atol=1e-5 * np.abs(want).max(), err_msg=name)
