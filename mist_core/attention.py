@@ -157,10 +157,25 @@ def _evener(units: int, threads: int) -> bool:
     return -(-2 * units // threads) * units < -(-units // threads) * 2 * units
 
 
+# Query positions at the end of a gradient that live_rows looks at before the whole.
+TAIL = 64
+
+
 def live_rows(grad: torch.Tensor) -> tuple[int, int]:
     """The first query position whose output gradient is not zero, in any batch row or head,
-    and one past the last ((0, 0) where there is none). NaN counts as not zero."""
-    rows = grad.ne(0).any(-1).any(1).any(0).nonzero()
+    and one past the last ((0, 0) where there is none). NaN counts as not zero. Below a
+    model's last block the gradient is live from the first position to the answer's, a few
+    before the end: there the first position and the last TAIL settle it, without reading
+    the whole."""
+    def live(start, stop):
+        return grad[:, :, start:stop].ne(0).any(-1).any(1).any(0).nonzero()
+
+    T = grad.shape[2]
+    if T > 2 * TAIL and live(0, 1).numel():
+        tail = live(T - TAIL, T)
+        if tail.numel():
+            return 0, T - TAIL + int(tail[-1]) + 1
+    rows = live(0, T)
     return (int(rows[0]), int(rows[-1]) + 1) if rows.numel() else (0, 0)
 
 

@@ -417,6 +417,26 @@ def test_an_attention_backward_runs_only_the_live_rows(monkeypatch, batch, posit
         assert sum(queries) == batch * n * (1 + before)
 
 
+def test_live_rows_are_the_first_and_last_rows_that_are_not_zero():
+    """Whether the ends settle it (the first row live and the last live one among the last
+    TAIL) or the whole is read: the same rows as a plain scan."""
+    from mist_core import attention
+
+    g = torch.Generator().manual_seed(11)
+    tail = attention.TAIL
+    for positions in (5, 2 * tail, 2 * tail + 1, 3 * tail + 7):
+        for lo, hi in [(0, positions), (0, positions - 3), (0, positions - tail),
+                       (0, positions - tail - 1), (1, positions - 2), (0, 1), (0, 0),
+                       (positions - 1, positions), (2, 3)]:
+            grad = torch.zeros(2, 3, positions, 4)
+            if hi > lo:  # the ends live in different batch rows and heads, some rows between dead
+                grad[1, 2, lo, 1] = 1.0
+                grad[0, 0, hi - 1, 3] = float("nan") if positions % 2 else -1.0
+                inner = torch.rand(hi - lo, generator=g) < 0.5
+                grad[0, 1, lo:hi][inner] = torch.randn(int(inner.sum()), 4, generator=g)
+            assert attention.live_rows(grad) == ((lo, hi) if hi > lo else (0, 0)), (positions, lo, hi)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
 def test_a_rerun_does_not_compute_the_unread_projection(monkeypatch, arch):
     """A recomputed pass's reruns, whose outputs only their own backward reads, skip the
