@@ -21,6 +21,7 @@ def test_the_norm_forward_is_transformers_and_its_backward_the_derivative(arch, 
     from conftest import make_model
     from mist_core.models import wrap_model
 
+    assert len(norms.known_norms()) == len(norms.KNOWN)  # this transformers has them all
     lm = wrap_model(make_model(arch, 300, dtype=dtype), None, f"tiny-{arch}")
     found = norm_modules(lm.model)
     # two a block and the final one (Qwen3 also normalises its queries and keys)
