@@ -15,6 +15,15 @@ def norm_modules(model):
     return [m for m in model.modules() if type(m) in norms.known_norms()]
 
 
+@pytest.fixture
+def calls(monkeypatch):
+    """One entry for each call of the closed-form norm."""
+    seen = []
+    apply = norms._RMSNorm.apply
+    monkeypatch.setattr(norms._RMSNorm, "apply", lambda *a: seen.append(1) or apply(*a))
+    return seen
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_norm_forward_is_transformers_and_its_backward_the_derivative(arch, dtype):
@@ -52,12 +61,9 @@ def test_the_norm_forward_is_transformers_and_its_backward_the_derivative(arch, 
     assert all("forward" not in m.__dict__ for m in found)
 
 
-def test_the_norm_runs_as_it_is_where_no_derivative_is_taken_this_way(monkeypatch, tiny_lm):
+def test_the_norm_runs_as_it_is_where_no_derivative_is_taken_this_way(calls, tiny_lm):
     m = norm_modules(tiny_lm.model)[0]
     x = torch.randn(1, 5, m.weight.shape[0], requires_grad=True)
-    calls = []
-    apply = norms._RMSNorm.apply
-    monkeypatch.setattr(norms._RMSNorm, "apply", lambda *a: calls.append(1) or apply(*a))
     with norms.fused_norms(tiny_lm):
         with torch.no_grad():  # no graph
             m(x)
@@ -76,15 +82,12 @@ def test_the_norm_runs_as_it_is_where_no_derivative_is_taken_this_way(monkeypatc
 
 @pytest.mark.parametrize("plan", [Plan(), Plan(recompute=True, mlp_pieces=True)],
                          ids=["stored", "recomputed"])
-def test_both_passes_use_it_with_autograds_numbers(monkeypatch, tiny_lm, plan):
+def test_both_passes_use_it_with_autograds_numbers(monkeypatch, calls, tiny_lm, plan):
     """Every norm a pass backpropagates through runs as _RMSNorm, and the scores are those
     of autograd's backward (fp32: to rounding)."""
     from test_memory import FIELDS, forced
 
     encs = synthetic_encoded(2, 30, vocab=300, seed=4)
-    calls = []
-    apply = norms._RMSNorm.apply
-    monkeypatch.setattr(norms._RMSNorm, "apply", lambda *a: calls.append(1) or apply(*a))
     fused = forced(MistScorer(tiny_lm, share_prefix=False), plan).score_encoded(encs)
     L = tiny_lm.n_layers
     # the no-chain pass and the source pass, each through 2 norms a block and the final
