@@ -82,6 +82,7 @@ def measure(lm: LM, tokens: int = 64) -> Footprint:
     """Run a stored pass over `tokens` and 2·`tokens` random tokens and take the per-token
     slope of the bytes autograd saves (so fixed costs such as rotary tables cancel)."""
     from .passes import residual_pass
+    from .swiglu import fused_swiglu
 
     params = {p.untyped_storage().data_ptr() for p in lm.model.parameters()}
     params |= {b.untyped_storage().data_ptr() for b in lm.model.buffers()}
@@ -113,7 +114,12 @@ def measure(lm: LM, tokens: int = 64) -> Footprint:
     def mlp(n: int):
         x = torch.randn(1, n, d, generator=gen).to(lm.device, lm.dtype).requires_grad_(True)
         module = getattr(lm.blocks[0], "mlp", None)
-        return lambda: module(x).sum() if isinstance(module, torch.nn.Module) else None
+
+        def run():
+            if isinstance(module, torch.nn.Module):
+                with fused_swiglu(lm):  # as the passes run it
+                    module(x).sum()
+        return run
 
     def slope(probe) -> float:
         return max(saved_bytes(probe(2 * tokens)) - saved_bytes(probe(tokens)), 0) / tokens

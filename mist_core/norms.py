@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 
 from .models import LM
-from .tracing import wrapped_forwards
+from .tracing import transformers_classes, wrapped_forwards
 
 
 # transformers' RMSNorm classes whose forward is y = w · x / sqrt(mean(x²) + ε), computed in
@@ -25,17 +25,7 @@ KNOWN = {"llama": "LlamaRMSNorm", "mistral": "MistralRMSNorm", "qwen2": "Qwen2RM
 @functools.cache
 def known_norms() -> tuple[type, ...]:
     """The classes of KNOWN that this transformers has."""
-    import importlib
-
-    found = []
-    for arch, name in KNOWN.items():
-        try:
-            module = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
-        except ImportError:
-            continue
-        if isinstance(getattr(module, name, None), type):
-            found.append(getattr(module, name))
-    return tuple(found)
+    return transformers_classes(KNOWN)
 
 
 class _RMSNorm(torch.autograd.Function):

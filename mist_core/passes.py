@@ -15,7 +15,8 @@
 
 On a CPU both run their causal attention through mist_core.attention, whose backward keeps
 every thread busy; on any device both run transformers' RMSNorms with their derivative in
-closed form (mist_core.norms), a few passes over the states where autograd's takes a dozen.
+closed form (mist_core.norms), a few passes over the states where autograd's takes a dozen,
+and the gated MLPs' product keeping two of the three tensors autograd would (mist_core.swiglu).
 
 Both give the same numbers. Callers see the states and the gradients through callbacks, layer
 by layer, so that neither the gradients of all layers nor anything beyond the pass itself is
@@ -32,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from . import attention, memory
 from .models import LM
 from .norms import fused_norms
+from .swiglu import fused_swiglu
 from .tracing import _hidden, run_base, span_logprobs, trace, wrapped_forwards
 
 # on_state(l, h): h = h^(l) [B, S, d], detached, called for l = 0..L as the forward reaches it.
@@ -90,7 +92,8 @@ def residual_pass(lm: LM, ids: torch.Tensor, spans: list[tuple[int, int]], *,
                            plan)
     with trace(lm, grad=bool(grad_layers), on_state=on_state) as tr, \
             attention.cpu_attention(lm) if grad_layers else nullcontext(), \
-            fused_norms(lm) if grad_layers else nullcontext():
+            fused_norms(lm) if grad_layers else nullcontext(), \
+            fused_swiglu(lm) if grad_layers else nullcontext():
         out = run_base(lm, ids, **base_kwargs)
         lps = span_logprobs(lm, out.last_hidden_state, spans, ids)
         del out
@@ -197,8 +200,9 @@ def unread_down_proj(lm: LM):
 
 def _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs,
                 plan):
-    with chunked_mlp(lm, enabled=plan.mlp_pieces), memory.freed_to_the_system(lm.device), \
-            unread_down_proj(lm), fused_norms(lm), \
+    # fused_swiglu first: chunked_mlp's pieces then run its forward
+    with fused_swiglu(lm), chunked_mlp(lm, enabled=plan.mlp_pieces), \
+            memory.freed_to_the_system(lm.device), unread_down_proj(lm), fused_norms(lm), \
             attention.cpu_attention(lm, min(plan.attention_kept, lm.n_layers - grad_layers[0])) \
             as kept:
         return _recomputed_pass(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv,

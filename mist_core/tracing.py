@@ -68,6 +68,23 @@ def trace(lm: LM, grad: bool = False, capture_inputs: bool = False, on_state=Non
             h.remove()
 
 
+def transformers_classes(names: dict[str, str]) -> tuple[type, ...]:
+    """The classes named by model type in `names` ({"llama": "LlamaMLP"}: from
+    transformers.models.llama.modeling_llama) that this transformers has; a model type it
+    lacks is left out."""
+    import importlib
+
+    found = []
+    for arch, name in names.items():
+        try:
+            module = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
+        except ImportError:
+            continue
+        if isinstance(getattr(module, name, None), type):
+            found.append(getattr(module, name))
+    return tuple(found)
+
+
 @contextmanager
 def wrapped_forwards(modules, wrap):
     """Within the block, each module's forward is wrap(module, its forward); afterwards the

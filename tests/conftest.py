@@ -105,6 +105,14 @@ def tiny_lm(request, tokenizer):
     return wrap_model(make_model(request.param, len(tokenizer)), tokenizer, f"tiny-{request.param}")
 
 
+def counted_applies(monkeypatch, function) -> list:
+    """A list that gets one entry for each call of the autograd Function's `apply`."""
+    seen = []
+    apply = function.apply
+    monkeypatch.setattr(function, "apply", lambda *a: seen.append(1) or apply(*a))
+    return seen
+
+
 def _rmsnorm_fp64(self, x):
     variance = x.pow(2).mean(-1, keepdim=True)
     return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))

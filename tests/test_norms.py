@@ -18,10 +18,9 @@ def norm_modules(model):
 @pytest.fixture
 def calls(monkeypatch):
     """One entry for each call of the closed-form norm."""
-    seen = []
-    apply = norms._RMSNorm.apply
-    monkeypatch.setattr(norms._RMSNorm, "apply", lambda *a: seen.append(1) or apply(*a))
-    return seen
+    from conftest import counted_applies
+
+    return counted_applies(monkeypatch, norms._RMSNorm)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
