@@ -57,8 +57,8 @@ class Footprint:
         attention outputs, plus one block's saved activations and its temporaries, which
         bound the gradients in flight (a block's backward frees each saved tensor once it
         is used: on SmolLM2 at 4k tokens the block's share of the measured peak was 37 KB
-        a token against 29 KB saved). With `mlp_pieces` the MLP's part is counted once per
-        pass, for one piece (in `need`), not per position."""
+        a token against 29 KB saved, before mist_core.swiglu). With `mlp_pieces` the
+        MLP's part is counted once per pass, for one piece (in `need`), not per position."""
         if not plan.recompute:
             return self.stored + 2 * self.block + self.transient + self.mlp_transient
         per = (self.state * self.states_kept(plan.keep_every)
@@ -78,6 +78,25 @@ class Footprint:
         return self.OVERHEAD * (positions * self.per_token(plan) + fixed)
 
 
+def saved_bytes(run, exclude: set[int]) -> int:
+    """Bytes of the distinct storages autograd saves for the backward while `run()` builds
+    its graph, leaving out those whose data pointer is in `exclude` (the parameters)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        try:
+            s = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse or meta: not memory here
+            return t
+        if s.data_ptr() not in exclude:
+            seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(seen.values())
+
+
 def measure(lm: LM, tokens: int = 64) -> Footprint:
     """Run a stored pass over `tokens` and 2·`tokens` random tokens and take the per-token
     slope of the bytes autograd saves (so fixed costs such as rotary tables cancel)."""
@@ -86,22 +105,6 @@ def measure(lm: LM, tokens: int = 64) -> Footprint:
 
     params = {p.untyped_storage().data_ptr() for p in lm.model.parameters()}
     params |= {b.untyped_storage().data_ptr() for b in lm.model.buffers()}
-
-    def saved_bytes(run) -> int:
-        seen: dict[int, int] = {}
-
-        def pack(t: torch.Tensor):
-            try:
-                s = t.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # sparse or meta: not memory here
-                return t
-            if s.data_ptr() not in params:
-                seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            run()
-        return sum(seen.values())
 
     vocab = lm.unembedding.shape[0]
     d = lm.unembedding.shape[1]
@@ -122,7 +125,8 @@ def measure(lm: LM, tokens: int = 64) -> Footprint:
         return run
 
     def slope(probe) -> float:
-        return max(saved_bytes(probe(2 * tokens)) - saved_bytes(probe(tokens)), 0) / tokens
+        return max(saved_bytes(probe(2 * tokens), params)
+                   - saved_bytes(probe(tokens), params), 0) / tokens
 
     stored, mlp_saved = slope(whole), slope(mlp)
     gc.collect()

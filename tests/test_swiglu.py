@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mist_core import MistScorer, swiglu
+from mist_core.memory import saved_bytes
 from mist_core.passes import Plan
 from pipelines.bench import synthetic_encoded
 
@@ -22,21 +23,6 @@ def calls(monkeypatch):
     from conftest import counted_applies
 
     return counted_applies(monkeypatch, swiglu._SiLUProduct)
-
-
-def saved_bytes(run, params) -> int:
-    """Bytes of the tensors autograd saves while `run` builds its graph, parameters aside."""
-    seen = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run()
-    return sum(seen.values()), out
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
@@ -55,11 +41,13 @@ def test_the_mlp_is_transformers_bit_for_bit_with_a_third_less_saved(calls, arch
     d, inter = m.gate_proj.in_features, m.gate_proj.out_features
     x = (2 * torch.randn(2, 7, d, generator=gen)).to(dtype).requires_grad_(True)
     g = torch.randn(2, 7, d, generator=gen).to(dtype)
-    plain_saved, expected = saved_bytes(lambda: m(x), params)
-    (autograd,) = torch.autograd.grad(expected, x, g)
+    outs = []
+    plain_saved = saved_bytes(lambda: outs.append(m(x)), params)
+    (autograd,) = torch.autograd.grad(outs[0], x, g)
     with swiglu.fused_swiglu(lm):
-        fused_saved, got = saved_bytes(lambda: m(x), params)
-        (fused,) = torch.autograd.grad(got, x, g)
+        fused_saved = saved_bytes(lambda: outs.append(m(x)), params)
+        (fused,) = torch.autograd.grad(outs[1], x, g)
+    expected, got = outs
     assert len(calls) == 1
     assert torch.equal(got, expected) and torch.equal(fused, autograd)
     width = 2 * 7 * inter * x.element_size()  # one tensor of the MLP's width
