@@ -145,7 +145,9 @@ def measure(lm: LM, tokens: int = 64) -> Footprint:
                      attention=heads * (head_dim * elt + 4))  # output, fp32 log-sum-exp
 
 
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+# glibc's mallopt parameters, and the values its own defaults and adjustment reach
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
+_MMAP_MAX_DEFAULT, _MMAP_THRESHOLD_MAX = 65536, 32 * 2**20
 
 # The environment of a process that scores on a CPU, set before it starts (torch reads it
 # once, at its first allocation): each CPU allocation of 2 MB or more is advised to take
@@ -179,11 +181,59 @@ def freed_to_the_system(device: torch.device, threshold: int = 2**20):
     if libc is None:
         yield
         return
+    _glibc_defaults(libc)  # what stored passes kept (keep_freed) goes back first
     libc.mallopt(_M_MMAP_THRESHOLD, threshold)
     try:
         yield
     finally:
-        libc.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)
+        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+
+
+def keep_freed(device: torch.device) -> None:
+    """From now on, on a CPU with glibc, what a tensor frees stays in this process for the
+    next allocation instead of going back to the system, as PyTorch's CUDA allocator keeps
+    freed memory on a GPU; `release` gives it back. glibc gives every allocation over
+    32 MiB, and anything freed at the top of its heap, back at once, so each stored pass
+    mapped its saved activations anew: at 4k tokens on SmolLM2 about 150k page faults and
+    5.5 CPU seconds of system time a scoring, against none with this (the next pass
+    reuses the pages, huge pages included), and 7% less wall time (figures in
+    docs/results/performance.md). The process then holds what its largest pass took:
+    stored passes are planned within max_memory, and a recomputed one gives everything
+    back before it starts (freed_to_the_system), since its peak is what a cap bounds."""
+    libc = _glibc() if device.type == "cpu" else None
+    if libc is not None:
+        libc.mallopt(_M_MMAP_MAX, 0)  # every allocation from the heap, which is kept
+        libc.mallopt(_M_TRIM_THRESHOLD, -1)  # mallopt(3): -1 never trims
+
+
+def resident() -> int:
+    """This process's resident memory (RSS) now, in bytes: 0 where /proc has none."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def hold_at_most(device: torch.device, limit: int | None, base: int) -> int:
+    """Give back what keep_freed kept if this process's RSS is more than `limit` bytes
+    beyond `base` (the RSS with the model loaded and nothing kept): pieces left between
+    passes can grow a heap past what its largest pass took, and a scorer's cap bounds what
+    it holds. Returns the base from here on: the RSS once it is given back (which also
+    counts weights first touched after `base` was taken)."""
+    libc = _glibc() if device.type == "cpu" else None
+    if libc is None or limit is None or resident() - base <= limit:
+        return base
+    libc.malloc_trim(0)
+    return resident()
+
+
+def _glibc_defaults(libc) -> None:
+    """Free memory back to the system, and glibc's thresholds as its own adjustment leaves
+    them (trimming at twice the largest mmap threshold)."""
+    libc.malloc_trim(0)
+    libc.mallopt(_M_MMAP_MAX, _MMAP_MAX_DEFAULT)
+    libc.mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD_MAX)
 
 
 @functools.cache
@@ -221,10 +271,15 @@ def is_out_of_memory(e: BaseException) -> bool:
 
 
 def release(device: torch.device) -> None:
-    """After an out-of-memory error: drop what the failed attempt left cached."""
+    """Give back what is cached: after an out-of-memory error, what the failed attempt
+    left; on a CPU, also what stored passes kept for the next one (keep_freed), until a
+    stored pass keeps it again."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    libc = _glibc() if device.type == "cpu" else None
+    if libc is not None:
+        _glibc_defaults(libc)
 
 
 def gib(n: float) -> str:

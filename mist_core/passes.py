@@ -90,6 +90,8 @@ def residual_pass(lm: LM, ids: torch.Tensor, spans: list[tuple[int, int]], *,
     if plan.recompute and grad_layers:
         return _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs,
                            plan)
+    if grad_layers:  # the saved activations' pages, mapped once, serve the next pass too
+        memory.keep_freed(lm.device)
     with trace(lm, grad=bool(grad_layers), on_state=on_state) as tr, \
             attention.cpu_attention(lm) if grad_layers else nullcontext(), \
             fused_norms(lm) if grad_layers else nullcontext(), \

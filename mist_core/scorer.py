@@ -74,7 +74,10 @@ class Scorer:
     (then also runs the MLP in pieces, then also keeps only every k-th h^(l): `Plan`), and
     keeps the attention outputs of as many blocks as the rest of the cap holds.
     A batch that runs out of memory all the same is split in two and retried; a chain that
-    cannot fit alone fails with InvalidExample (reason `too_long_for_memory`).
+    cannot fit alone fails with InvalidExample (reason `too_long_for_memory`). On a CPU
+    with glibc, what a stored pass frees stays in the process for the next pass
+    (memory.keep_freed), given back before a recomputed pass, when the process has grown
+    more than max_memory beyond the model, or by memory.release.
 
     max_tokens: padded token positions per forward pass; "auto": as many as max_memory
     holds with stored activations (4096 without a cap)."""
@@ -89,6 +92,9 @@ class Scorer:
         self.max_batch = max_batch
         self.max_memory = memory.auto_cap(lm.device) if max_memory == "auto" else \
             memory.parse_bytes(max_memory)
+        # what max_memory is beyond: the process with the model loaded and nothing kept
+        memory.release(lm.device)
+        self._resident = memory.resident()
 
     @cached_property
     def template(self):
@@ -140,6 +146,8 @@ class Scorer:
             else:
                 for i, res in zip(idx, results):
                     out[i] = res
+                self._resident = memory.hold_at_most(self.lm.device, self.max_memory,
+                                                     self._resident)
                 return
         if len(idx) == 1:
             need = memory.gib(self.need(batch, self.plans()[-1]))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from mist_core import InvalidExample, MistScorer
+from mist_core import InvalidExample, MistScorer, memory
 from mist_core.baselines import GoGIScorer
 from mist_core.memory import CPU_SCORING_ENV, Footprint, cpu_scoring_env, measure, parse_bytes
 from mist_core.passes import Plan
@@ -248,6 +248,71 @@ def test_other_errors_are_not_taken_for_out_of_memory(tiny_lm):
 def test_the_cpu_scoring_environment_yields_to_the_callers():
     assert cpu_scoring_env({}) == CPU_SCORING_ENV == {"THP_MEM_ALLOC_ENABLE": "1"}
     assert cpu_scoring_env({"THP_MEM_ALLOC_ENABLE": "0", "OTHER": "x"}) == {"THP_MEM_ALLOC_ENABLE": "0"}
+
+
+def wide_model():
+    """A tiny Llama whose stored pass over 1,500 tokens keeps some 100 MB: more than glibc
+    keeps of its own accord."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from mist_core.models import wrap_model
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=1024,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048)
+    return wrap_model(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"),
+                      None, "tiny-llama-wide")
+
+
+def minor_faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+@pytest.mark.skipif(memory._glibc() is None, reason="the allocator kept is glibc's")
+def test_stored_passes_map_their_pages_once_until_released():
+    lm = wide_model()
+    enc = synthetic_encoded(1, 1500, vocab=300)
+    scorer = MistScorer(lm, recompute=False, max_memory=None)
+    memory.release(lm.device)  # as a process that never scored
+    faults = []
+    for _ in range(3):
+        before = minor_faults()
+        first = scorer.score_encoded(enc)[0].scores
+        faults.append(minor_faults() - before)
+    # the first pass maps its ~100 MB (25k pages of 4 KB, fewer where huge); later ones reuse it
+    assert faults[0] > 2000 and faults[2] < faults[0] / 10, faults
+    kept = memory.resident()
+    memory.release(lm.device)
+    assert memory.resident() < kept - 50 * 2**20
+    before = minor_faults()
+    np.testing.assert_array_equal(scorer.score_encoded(enc)[0].scores, first)
+    assert minor_faults() - before > faults[0] / 2  # given back: mapped anew
+
+
+@pytest.mark.skipif(memory._glibc() is None, reason="the allocator kept is glibc's")
+def test_what_stored_passes_kept_goes_back_over_the_cap_and_before_a_recomputed_pass():
+    lm = wide_model()
+    enc = synthetic_encoded(1, 1500, vocab=300)
+    MistScorer(lm, recompute=False, max_memory=None).score_encoded(enc)
+    kept = memory.resident()
+    with memory.freed_to_the_system(lm.device):
+        assert memory.resident() < kept - 50 * 2**20
+    memory.release(lm.device)
+    base = memory.resident()
+    MistScorer(lm, recompute=False, max_memory=None).score_encoded(enc)
+    kept = memory.resident()
+    assert kept > base + 50 * 2**20
+    assert memory.hold_at_most(lm.device, None, base) == base
+    assert memory.hold_at_most(lm.device, kept - base, base) == base  # within: kept
+    assert memory.resident() > kept - 2**20
+    # a cap below what its pass kept (the plan forced past it): the scorer gives it back
+    scorer = forced(MistScorer(lm, max_memory=20 * 2**20), Plan())
+    scorer.score_encoded(enc)
+    assert memory.resident() < base + 20 * 2**20
+    assert abs(scorer._resident - memory.resident()) < 2**20  # based anew
 
 
 def test_parse_bytes():
