@@ -17,6 +17,8 @@ On a CPU both run their causal attention through mist_core.attention, whose back
 every thread busy; on any device both run transformers' RMSNorms with their derivative in
 closed form (mist_core.norms), a few passes over the states where autograd's takes a dozen,
 and the gated MLPs' product keeping two of the three tensors autograd would (mist_core.swiglu).
+On a CPU a stored pass leaves what it frees in the process for the next one
+(memory.keep_freed), where a recomputed pass gives it back first (freed_to_the_system).
 
 Both give the same numbers. Callers see the states and the gradients through callbacks, layer
 by layer, so that neither the gradients of all layers nor anything beyond the pass itself is
