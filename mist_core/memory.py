@@ -194,10 +194,10 @@ def keep_freed(device: torch.device) -> None:
     next allocation instead of going back to the system, as PyTorch's CUDA allocator keeps
     freed memory on a GPU; `release` gives it back. glibc gives every allocation over
     32 MiB, and anything freed at the top of its heap, back at once, so each stored pass
-    mapped its saved activations anew: at 4k tokens on SmolLM2 about 150k page faults and
-    5.5 CPU seconds of system time a scoring, against none with this (the next pass
-    reuses the pages, huge pages included), and 7% less wall time (figures in
-    docs/results/performance.md). The process then holds what its largest pass took:
+    mapped its saved activations anew: at 4k tokens on SmolLM2 45-190k page faults and
+    5-7 CPU seconds of system time a scoring, against next to none with this (the next
+    pass reuses the pages, huge pages included), and 0.91-0.95 of the wall time in one
+    process (figures in docs/results/performance.md). The process then holds what its largest pass took:
     stored passes are planned within max_memory, and a recomputed one gives everything
     back before it starts (freed_to_the_system), since its peak is what a cap bounds."""
     libc = _glibc() if device.type == "cpu" else None
