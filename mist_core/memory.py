@@ -177,7 +177,7 @@ def freed_to_the_system(device: torch.device, threshold: int = 2**20):
     time with 4 KB pages, the pages being mapped anew; nothing measurable with huge pages,
     CPU_SCORING_ENV). Afterwards the threshold is 32 MiB, the most
     glibc's own adjustment reaches."""
-    libc = _glibc() if device.type == "cpu" else None
+    libc = _cpu_glibc(device)
     if libc is None:
         yield
         return
@@ -200,7 +200,7 @@ def keep_freed(device: torch.device) -> None:
     process (figures in docs/results/performance.md). The process then holds what its largest pass took:
     stored passes are planned within max_memory, and a recomputed one gives everything
     back before it starts (freed_to_the_system), since its peak is what a cap bounds."""
-    libc = _glibc() if device.type == "cpu" else None
+    libc = _cpu_glibc(device)
     if libc is not None:
         libc.mallopt(_M_MMAP_MAX, 0)  # every allocation from the heap, which is kept
         libc.mallopt(_M_TRIM_THRESHOLD, -1)  # mallopt(3): -1 never trims
@@ -221,7 +221,7 @@ def hold_at_most(device: torch.device, limit: int | None, base: int) -> int:
     passes can grow a heap past what its largest pass took, and a scorer's cap bounds what
     it holds. Returns the base from here on: the RSS once it is given back (which also
     counts weights first touched after `base` was taken)."""
-    libc = _glibc() if device.type == "cpu" else None
+    libc = _cpu_glibc(device)
     if libc is None or limit is None or resident() - base <= limit:
         return base
     libc.malloc_trim(0)
@@ -234,6 +234,11 @@ def _glibc_defaults(libc) -> None:
     libc.malloc_trim(0)
     libc.mallopt(_M_MMAP_MAX, _MMAP_MAX_DEFAULT)
     libc.mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD_MAX)
+
+
+def _cpu_glibc(device: torch.device):
+    """glibc, where the tensors of `device` are its allocations: None off a CPU or glibc."""
+    return _glibc() if device.type == "cpu" else None
 
 
 @functools.cache
@@ -277,7 +282,7 @@ def release(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    libc = _glibc() if device.type == "cpu" else None
+    libc = _cpu_glibc(device)
     if libc is not None:
         _glibc_defaults(libc)
 
