@@ -23,10 +23,14 @@ without a graph so that a recomputed pass's rerun of a block skips its attention
   pass keeps it for as many of the top blocks as its memory cap leaves room for
   (`Plan.attention_kept`).
 
+- Grouped heads under a mask. Where a pass continues a prefix cache it needs a mask, and
+  there transformers repeats a grouped-query model's keys and values to every query head
+  before SDPA; here SDPA takes them as they are (its CPU kernel does, mask or not).
+
 The numbers are those of the kernel SDPA runs (its causal case without a mask), so kept or
 not the scores are bit-identical; against SDPA's own backward they differ by rounding where
-a backward runs in pieces. Other cases (a mask, a cache, another device or attention
-implementation) run SDPA as usual."""
+a backward runs in pieces. Other calls (a mask on a model without grouped heads, a
+position bias, a softcap, a single query) go to transformers' SDPA as usual."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -131,6 +135,15 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
                 with torch.no_grad():
                     out_lse = _fused(query, key, value, 0.0, True, scale=scaling)
             return _Attention.apply(query, key, value, *out_lse, scaling), None
+    if (attention_mask is not None and key.shape[1] < query.shape[1] and query.shape[2] > 1
+            and kwargs.get("position_bias") is None and kwargs.get("softcap") is None):
+        # A mask (a prefix cache continued): transformers would repeat the keys and values
+        # to every query head first, since CUDA's kernels take grouped heads only without a
+        # mask; the CPU kernel takes them as they are, without the copies and their backward.
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+            enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, is_causal=is_causal, **kwargs)
 

@@ -43,6 +43,33 @@ def test_every_regime_equals_plain_autograd_fp64(tiny_lm64, examples, share, rec
         assert np.abs(got.necessity_per_layer).max() > 1e-4
 
 
+def test_a_masked_pass_takes_the_grouped_heads_as_they_are(tiny_lm64, examples, monkeypatch):
+    """The passes that continue the question prefix's cache have a mask, where transformers
+    would repeat a grouped-query model's keys and values to every query head before SDPA:
+    those passes take them as they are, with the reference's numbers."""
+    from transformers.integrations import sdpa_attention
+
+    config = tiny_lm64.model.config
+    assert config.num_key_value_heads < config.num_attention_heads
+    repeated = []
+    real = sdpa_attention.repeat_kv
+
+    def counted(hidden, n_rep):
+        if torch.is_grad_enabled():  # a pass that backpropagates (the prefix's runs without)
+            repeated.append(n_rep)
+        return real(hidden, n_rep)
+
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", counted)
+    scorer = MistScorer(tiny_lm64, share_prefix=True, max_batch=8)
+    got = scorer.score(examples)
+    assert repeated == []
+    for ex, res in zip(examples, got):
+        ref = first_order(tiny_lm64, scorer.encode(ex))
+        for name in FIELDS:
+            np.testing.assert_allclose(getattr(res, name), ref[name], rtol=1e-5, atol=1e-9,
+                                       err_msg=name)
+
+
 def forced(scorer: MistScorer, plan: Plan) -> MistScorer:
     scorer.plan = lambda batch: plan
     return scorer
