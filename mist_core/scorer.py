@@ -14,7 +14,7 @@ from .examples import Example
 from .models import LM
 from .templates import Encoded, get_template
 from .passes import Plan, PrefixKV, residual_pass
-from .tracing import Prefix, length_batches, pad, wide
+from .tracing import Prefix, batch_overhead, length_batches, pad, wide
 
 AXES = ("necessity", "sufficiency")
 
@@ -167,7 +167,8 @@ class Scorer:
         for members in groups.values():
             lengths = [self.batch_length(encoded[i]) for i in members]
             out += [[members[j] for j in idx]
-                    for idx in length_batches(lengths, self.token_budget(), self.max_batch)]
+                    for idx in length_batches(lengths, self.token_budget(), self.max_batch,
+                                              batch_overhead(self.lm.device))]
         return out
 
     def _too_long(self, enc: Encoded, why: str, after: str = "") -> InvalidExample:

@@ -6,6 +6,7 @@ requires grad, so every later h^(l) carries a graph while the parameters need no
 from __future__ import annotations
 
 import inspect
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -220,18 +221,40 @@ def similar_lengths(lengths: list[int], waste: float = 0.05) -> list[list[int]]:
     return groups + [cur]
 
 
-def length_batches(lengths: list[int], max_tokens: int, max_batch: int) -> list[list[int]]:
-    """Indices grouped into batches of similar length whose padded size stays within
-    max_tokens (a longer example than that goes alone)."""
+# What a batch costs beyond its padded positions, in positions: each batch's passes, hooks
+# and small operations. On a CPU measured: SmolLM2-135M-Instruct on 2 threads scoring n
+# copies of one GSM8K chain took 0.27-0.30 s a batch beyond its positions, 80-100 positions'
+# worth. On a GPU an estimate, not yet measured: tens of milliseconds of kernel launches and
+# Python a batch against tens of microseconds a position for a 1.5B model.
+BATCH_OVERHEAD = {"cpu": 96, "cuda": 1024}
+
+
+def batch_overhead(device: torch.device) -> int:
+    """BATCH_OVERHEAD for `device`; another accelerator's as a GPU's."""
+    return BATCH_OVERHEAD.get(device.type, BATCH_OVERHEAD["cuda"])
+
+
+def length_batches(lengths: list[int], max_tokens: int, max_batch: int,
+                   overhead: int = BATCH_OVERHEAD["cpu"]) -> list[list[int]]:
+    """Indices in batches of similar length: sorted by length and cut where the padded
+    positions, plus `overhead` positions a batch, add up least, each batch within max_batch
+    examples and max_tokens padded positions (a longer example than that goes alone). Filling
+    each batch in turn pads the scorer's passes over GSM8K's first 64 test chains by 24%
+    (three batches); cut here (SmolLM2, on a CPU), by 7.5% (seven)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches, cur, width = [], [], 0
-    for i in order:
-        w = max(width, lengths[i])
-        if cur and (w * (len(cur) + 1) > max_tokens or len(cur) >= max_batch):
-            batches.append(cur)
-            cur, w = [], lengths[i]
-        cur.append(i)
-        width = w
-    if cur:
-        batches.append(cur)
-    return batches
+    sizes = [lengths[i] for i in order]
+    cost = [0.0] + [math.inf] * len(sizes)  # cost[j]: the j shortest, batched at best
+    start = [0] * (len(sizes) + 1)  # where the last batch of that best starts
+    for j in range(1, len(sizes) + 1):
+        width = sizes[j - 1]  # a batch ending at j is as wide as its last
+        for i in range(j - 1, max(j - max_batch, 0) - 1, -1):
+            if j - i > 1 and (j - i) * width > max_tokens:
+                break
+            c = cost[i] + (j - i) * width + overhead
+            if c < cost[j]:
+                cost[j], start[j] = c, i
+    batches, j = [], len(sizes)
+    while j:
+        batches.append(order[start[j]:j])
+        j = start[j]
+    return batches[::-1]

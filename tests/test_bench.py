@@ -30,6 +30,47 @@ def test_batching_helpers():
         assert width * len(g) - sum(lengths[i] for i in g) <= 0.05 * width * len(g)
 
 
+def _padded_cost(batches, lengths, overhead):
+    return sum(len(b) * max(lengths[i] for i in b) + overhead for b in batches)
+
+
+def test_length_batches_cut_where_padding_and_batches_cost_least():
+    """Against every way of cutting the sorted lengths into batches that fit: none costs
+    less (padded positions plus the overhead of each batch)."""
+    import itertools
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        lengths = [rng.randint(1, 60) for _ in range(rng.randint(1, 9))]
+        max_tokens, max_batch, overhead = rng.randint(60, 200), rng.randint(1, 5), rng.randint(0, 80)
+        got = length_batches(lengths, max_tokens, max_batch, overhead)
+        assert sorted(i for b in got for i in b) == list(range(len(lengths)))
+        for b in got:
+            assert len(b) <= max_batch
+            assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= max_tokens
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        best = min(
+            _padded_cost(bs, lengths, overhead)
+            for cuts in itertools.product([False, True], repeat=len(lengths) - 1)
+            for bs in [[order[a:b] for a, b in zip(
+                [0] + [k + 1 for k, c in enumerate(cuts) if c],
+                [k + 1 for k, c in enumerate(cuts) if c] + [len(lengths)])]]
+            if all(len(b) <= max_batch and (len(b) == 1 or len(b) * max(lengths[i] for i in b)
+                                            <= max_tokens) for b in bs))
+        assert _padded_cost(got, lengths, overhead) == best
+
+
+def test_length_batches_split_where_padding_costs_more_than_a_batch():
+    lengths = list(range(33, 91))  # a spread like the shortest GSM8K chains'
+    filled = length_batches(lengths, max_tokens=8192, max_batch=64, overhead=10**9)
+    assert len(filled) == 1  # a batch costs more than any padding: one batch
+    cut = length_batches(lengths, max_tokens=8192, max_batch=64, overhead=96)
+    assert len(cut) > 1
+    assert _padded_cost(cut, lengths, 96) < _padded_cost(filled, lengths, 96)
+    assert length_batches([50] * 10, 4096, 64, overhead=1) == [list(range(10))]  # no padding
+
+
 def test_synthetic_chains_are_consistent():
     for e in bench.synthetic_encoded(5, 30, vocab=100):
         assert e.answer_stop == len(e.source_ids) and e.chain_stop + 4 == e.answer_start

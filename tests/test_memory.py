@@ -95,8 +95,10 @@ def test_long_chains_every_regime_agrees_with_the_reference_fp32(monkeypatch):
     and with every second state kept."""
     import mist_core.attention as attention
     import mist_core.passes as passes
+    import mist_core.tracing as tracing
 
     monkeypatch.setattr(passes, "MLP_POSITIONS", 64)
+    monkeypatch.setitem(tracing.BATCH_OVERHEAD, "cpu", 10**6)  # the two chains in one batch
     # and each attention backward split in two calls of the fused kernel (mist_core.attention)
     monkeypatch.setattr(attention, "SPLIT_FROM", 64)
     monkeypatch.setattr(attention, "_evener", lambda units, threads: True)
@@ -398,7 +400,9 @@ def test_kept_attention_gives_the_same_numbers_bit_for_bit(monkeypatch):
     blocks run the fused kernel once in the forward and never again. Afterwards the model
     is on SDPA again. Where a pass has a mask (a prefix cache) nothing is kept."""
     import mist_core.attention as attention
+    import mist_core.tracing as tracing
 
+    monkeypatch.setitem(tracing.BATCH_OVERHEAD, "cpu", 10**6)  # the two chains in one batch
     lm = long_model("qwen2", dtype=torch.float32)
     encs = synthetic_encoded(2, 300, vocab=400, seed=3)
     calls = {"kept": 0, "computed": 0}  # fused forwards kept for a rerun, and in a rerun
