@@ -34,30 +34,35 @@ def _padded_cost(batches, lengths, overhead):
     return sum(len(b) * max(lengths[i] for i in b) + overhead for b in batches)
 
 
+def _every_cut(order):
+    """Every way of cutting `order` into consecutive batches."""
+    import itertools
+
+    for cuts in itertools.product([False, True], repeat=len(order) - 1):
+        bounds = [0] + [k + 1 for k, cut in enumerate(cuts) if cut] + [len(order)]
+        yield [order[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
 def test_length_batches_cut_where_padding_and_batches_cost_least():
     """Against every way of cutting the sorted lengths into batches that fit: none costs
     less (padded positions plus the overhead of each batch)."""
-    import itertools
     import random
 
     rng = random.Random(0)
     for _ in range(200):
         lengths = [rng.randint(1, 60) for _ in range(rng.randint(1, 9))]
         max_tokens, max_batch, overhead = rng.randint(60, 200), rng.randint(1, 5), rng.randint(0, 80)
+
+        def fits(b):
+            return len(b) <= max_batch and (len(b) == 1
+                                            or len(b) * max(lengths[i] for i in b) <= max_tokens)
+
         got = length_batches(lengths, max_tokens, max_batch, overhead)
         assert sorted(i for b in got for i in b) == list(range(len(lengths)))
-        for b in got:
-            assert len(b) <= max_batch
-            assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= max_tokens
+        assert all(fits(b) for b in got)
         order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-        best = min(
-            _padded_cost(bs, lengths, overhead)
-            for cuts in itertools.product([False, True], repeat=len(lengths) - 1)
-            for bs in [[order[a:b] for a, b in zip(
-                [0] + [k + 1 for k, c in enumerate(cuts) if c],
-                [k + 1 for k, c in enumerate(cuts) if c] + [len(lengths)])]]
-            if all(len(b) <= max_batch and (len(b) == 1 or len(b) * max(lengths[i] for i in b)
-                                            <= max_tokens) for b in bs))
+        best = min(_padded_cost(bs, lengths, overhead) for bs in _every_cut(order)
+                   if all(fits(b) for b in bs))
         assert _padded_cost(got, lengths, overhead) == best
 
 
