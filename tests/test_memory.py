@@ -32,15 +32,22 @@ def long_model(arch: str, dtype=torch.float64, vocab: int = 400):
     return wrap_model(model, None, f"tiny-{arch}-long")
 
 
+def assert_agrees_with_the_reference(scorer, examples, got):
+    """Every field of each scored chain against the independent autograd computation (fp64)."""
+    for ex, res in zip(examples, got):
+        ref = first_order(scorer.lm, scorer.encode(ex))
+        for name in FIELDS:
+            np.testing.assert_allclose(getattr(res, name), ref[name], rtol=1e-5, atol=1e-9,
+                                       err_msg=name)
+
+
 @pytest.mark.parametrize("share,recompute", REGIMES, ids=[f"share={s}-recompute={r}" for s, r in REGIMES])
 def test_every_regime_equals_plain_autograd_fp64(tiny_lm64, examples, share, recompute):
     scorer = MistScorer(tiny_lm64, share_prefix=share, recompute=recompute, max_batch=8)
-    for ex, got in zip(examples, scorer.score(examples)):
-        ref = first_order(tiny_lm64, scorer.encode(ex))
-        for name in FIELDS:
-            np.testing.assert_allclose(getattr(got, name), ref[name], rtol=1e-5, atol=1e-9,
-                                       err_msg=name)
-        assert np.abs(got.necessity_per_layer).max() > 1e-4
+    got = scorer.score(examples)
+    assert_agrees_with_the_reference(scorer, examples, got)
+    for res in got:
+        assert np.abs(res.necessity_per_layer).max() > 1e-4
 
 
 def test_a_masked_pass_takes_the_grouped_heads_as_they_are(tiny_lm64, examples, monkeypatch):
@@ -63,11 +70,7 @@ def test_a_masked_pass_takes_the_grouped_heads_as_they_are(tiny_lm64, examples, 
     scorer = MistScorer(tiny_lm64, share_prefix=True, max_batch=8)
     got = scorer.score(examples)
     assert repeated == []
-    for ex, res in zip(examples, got):
-        ref = first_order(tiny_lm64, scorer.encode(ex))
-        for name in FIELDS:
-            np.testing.assert_allclose(getattr(res, name), ref[name], rtol=1e-5, atol=1e-9,
-                                       err_msg=name)
+    assert_agrees_with_the_reference(scorer, examples, got)
 
 
 def forced(scorer: MistScorer, plan: Plan) -> MistScorer:
@@ -81,11 +84,7 @@ def test_keeping_every_kth_state_equals_plain_autograd_fp64(tiny_lm64, examples,
     the same numbers as the reference, whether the kept ones fall on the top block or not."""
     scorer = forced(MistScorer(tiny_lm64, share_prefix=False, max_batch=8),
                     Plan(recompute=True, mlp_pieces=True, keep_every=keep_every))
-    for ex, got in zip(examples, scorer.score(examples)):
-        ref = first_order(tiny_lm64, scorer.encode(ex))
-        for name in FIELDS:
-            np.testing.assert_allclose(getattr(got, name), ref[name], rtol=1e-5, atol=1e-9,
-                                       err_msg=name)
+    assert_agrees_with_the_reference(scorer, examples, scorer.score(examples))
 
 
 def test_long_chains_every_regime_agrees_with_the_reference_fp32(monkeypatch):
