@@ -12,6 +12,14 @@ from .examples import Example
 
 _WORD = re.compile(r"\S+")
 _DIGIT = re.compile(r"\d")
+# A number: digits with inner `,` or `.` (12, 1,250, 3.75). Tokenizers that write a digit a
+# token (Llama 3, Qwen2, SmolLM2) would otherwise let pruning keep `1` of `16`.
+NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+# An equation over numbers: operands and operators, then one or more `= result`
+# (`16 - 3 - 4 = 9`, `9 * 2 = $18`, `(3+4)*2=14`, `20% of`, not `x = 2`).
+_TERM = r"\(*[$€£]?\d+(?:[.,]\d+)*%?\)*"
+EQUATION = re.compile(rf"{_TERM}(?:\s*[-+*/×÷^]\s*{_TERM})+(?:\s*=\s*{_TERM})+")
+UNITS = ("token", "word", "equation")
 
 
 @dataclass
@@ -74,9 +82,67 @@ def word_units(cot: str, offsets: np.ndarray) -> np.ndarray:
     return unit
 
 
+def merge_spans(units: np.ndarray, offsets: np.ndarray, spans) -> np.ndarray:
+    """Units (non-decreasing along the chain, as word_units gives them) where the tokens
+    overlapping each character span in `spans`, and every token of the units they touch,
+    become one unit, so that the span is kept or dropped whole. Stays non-decreasing."""
+    units = np.array(units, dtype=np.int64)
+    starts = offsets[:, 0]
+    stops = np.maximum.accumulate(offsets[:, 1]) if len(offsets) else offsets[:, 1]
+    for a, b in spans:
+        first = int(np.searchsorted(stops, a, side="right"))  # first token ending after a
+        last = int(np.searchsorted(starts, b, side="left")) - 1  # last token starting before b
+        if last > first and units[first] != units[last]:
+            lo = int(np.searchsorted(units, units[first], side="left"))
+            hi = int(np.searchsorted(units, units[last], side="right"))
+            units[lo:hi] = units[first]
+    return units
+
+
+def pruning_units(cot: str, offsets: np.ndarray, unit: str = "token") -> np.ndarray:
+    """The unit each chain token is kept or dropped with, [T] (equal ids: one unit).
+
+    Args:
+        cot: the chain's text.
+        offsets: the chain tokens' character offsets in `cot`, [T, 2].
+        unit: "token" (each token alone), "word" (whitespace-separated words) or "equation"
+            (words, with each equation's operands, operators and results one unit). At every
+            unit a number (digits with inner `,` or `.`) is one unit, whatever the tokenizer.
+
+    Returns:
+        An int array [T]; tokens with the same value form one unit.
+
+    Example:
+        >>> import numpy as np
+        >>> pruning_units("has 16 eggs", np.array([[0, 3], [3, 5], [5, 6], [6, 11]])).tolist()
+        [0, 1, 1, 3]
+    """
+    if unit not in UNITS:
+        raise ValueError(f"unit must be one of {', '.join(UNITS)}, not {unit!r}")
+    offsets = np.asarray(offsets).reshape(-1, 2)
+    units = np.arange(len(offsets)) if unit == "token" else word_units(cot, offsets)
+    spans = [m.span() for m in NUMBER.finditer(cot)]
+    if unit == "equation":
+        spans += [m.span() for m in EQUATION.finditer(cot)]
+    return merge_spans(units, offsets, spans)
+
+
+def cut_numbers(cot: str, offsets: np.ndarray, kept: np.ndarray) -> int:
+    """How many of the chain's numbers `kept` keeps in part (some of their tokens, not all)."""
+    offsets = np.asarray(offsets).reshape(-1, 2)
+    kept = np.asarray(kept, dtype=bool)
+    cut = 0
+    for m in NUMBER.finditer(cot):
+        a, b = m.span()
+        inside = kept[(offsets[:, 0] < b) & (offsets[:, 1] > a)]
+        cut += int(inside.any() and not inside.all())
+    return cut
+
+
 def _select(unit_scores: np.ndarray, unit_sizes: np.ndarray, forced: np.ndarray, k: int) -> np.ndarray:
     """Highest-scoring units first while the token count stays within k; forced units
-    always. Ties go to the earlier unit."""
+    always; the best unit where none fits (a chain of one long number). Ties go to the
+    earlier unit."""
     chosen = forced.copy()
     count = int(unit_sizes[chosen].sum())
     for u in np.argsort(-unit_scores, kind="stable"):
@@ -87,6 +153,8 @@ def _select(unit_scores: np.ndarray, unit_sizes: np.ndarray, forced: np.ndarray,
             count += int(unit_sizes[u])
             if count == k:
                 break
+    if not chosen.any() and len(chosen):  # not one unit fits: the best one, over the budget
+        chosen[int(np.argmax(unit_scores))] = True
     return chosen
 
 
@@ -96,23 +164,23 @@ def prune(example: Example, scored, budgets: Sequence[float] = (0.5,), unit: str
     `scored`: a ScoredChain (its `scores` and `chain_offsets`); prune_scores takes the two
     arrays themselves.
 
-    unit="word" ranks whole words (the mean of their pieces' scores) and keeps as many as
-    fit the same token budget, so a word is never cut. keep_digits keeps every token with
-    a digit whatever its score (it may then exceed the budget)."""
+    A unit (pruning_units) scores the mean of its tokens' scores; units are taken best first
+    while they fit the token budget, so a unit is never cut and a number never loses a
+    digit. unit="token" keeps exactly ⌈γ·T⌉ tokens unless only multi-token numbers are left
+    to fill the last places; "word" and "equation" keep at most that many. keep_digits keeps
+    every unit with a digit whatever its score (it may then exceed the budget)."""
     return prune_scores(example, scored.scores, scored.chain_offsets, budgets, unit, keep_digits)
 
 
 def prune_scores(example: Example, scores, offsets, budgets: Sequence[float] = (0.5,),
                  unit: str = "token", keep_digits: bool = False) -> list[Compressed]:
     """prune() on per-token `scores` [T] and the chain tokens' character `offsets` [T, 2]."""
-    if unit not in ("token", "word"):
-        raise ValueError(f"unit must be 'token' or 'word', not {unit!r}")
     scores = np.asarray(scores, dtype=np.float64)
     offsets = np.asarray(offsets).reshape(-1, 2)
     T = len(scores)
     cot = example.cot
     pieces = token_pieces(cot, offsets)
-    units = np.arange(T) if unit == "token" else word_units(cot, offsets)
+    units = pruning_units(cot, offsets, unit)
     _, units = np.unique(units, return_inverse=True)
     n_units = int(units.max()) + 1
     sizes = np.bincount(units, minlength=n_units)

@@ -24,7 +24,7 @@ from mist_core.templates import TEMPLATES
 from . import errors
 from .rows import parse_row
 from .errors import ConfigError
-from .settings import parse_columns, parse_floats
+from .settings import UNITS, parse_columns, parse_floats
 
 ROWS = ("necessity", "sufficiency", "unified")
 CMAPS = {"necessity": "Reds", "sufficiency": "Blues", "unified": "Purples"}
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--row", type=int, default=1, help="1-based row of the chain (default: 1)")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--budgets", default="0.3,0.5,0.7,0.9")
-    p.add_argument("--unit", default="token", choices=("token", "word"))
+    p.add_argument("--unit", default="token", choices=UNITS)
     p.add_argument("--alpha", type=float, default=0.6)
     p.add_argument("--template", default="auto", choices=TEMPLATES)
     p.add_argument("--out", default="docs/results", help="folder for saliency.html and saliency.png")

@@ -23,7 +23,7 @@ DEFAULT_BUDGETS = [0.5, 0.6, 0.7, 0.8, 0.9]
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEVICES = ("auto", "cpu", "cuda")
 FORMATS = ("auto", "jsonl", "parquet")
-UNITS = ("word", "token")
+UNITS = ("word", "token", "equation")  # mist_core.prune.UNITS, without importing torch here
 MIST_FAMILY = ("mist", "necessity", "sufficiency")  # the scorers that take alpha, layer_weights
 
 
@@ -269,7 +269,8 @@ class JobConfig(Settings):
         "mist", "mist or a baseline: uniform, perplexity, attention_rollout, h2o, gogi_l1, "
         "necessity, sufficiency", group="scoring", metavar="NAME",
         choices=lambda: tuple(__import__("mist_core", fromlist=["scorer_names"]).scorer_names()))
-    unit: str = setting("word", "prune whole words or single tokens", group="scoring",
+    unit: str = setting("word", "prune whole words, single tokens or equations kept whole; "
+                        "a number is never cut in any unit", group="scoring",
                         choices=UNITS)
     layer_weights: str = setting(
         "signed", "how MIST's Eq. 7 weighs the layers (mist, necessity, sufficiency): signed, "
@@ -369,7 +370,8 @@ class EvalConfig(Settings):
     methods: list[str] = setting(list(_default_methods()), "methods to compare, comma-separated",
                                  group="scoring", metavar="LIST",
                                  shown="all but the variant mist_clipped")
-    unit: str = setting("token", "prune single tokens (the paper's ⌈γT⌉) or whole words",
+    unit: str = setting("token", "prune single tokens (the paper's ⌈γT⌉), whole words or "
+                        "equations kept whole; a number is never cut in any unit",
                         group="scoring", choices=UNITS)
     style: str = setting("auto", "answer normalisation and intermediate results; auto: the "
                          "adapter's", group="scoring", choices=("auto", "gsm8k", "math"))

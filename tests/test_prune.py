@@ -1,12 +1,16 @@
+import json
 import math
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from mist_core import Example, MistScorer, prune
-from mist_core.prune import budget_tokens, token_pieces, word_units
+from mist_core import Example, MistScorer, get_adapter, prune
+from mist_core.prune import (NUMBER, UNITS, budget_tokens, cut_numbers, merge_spans, prune_scores,
+                             pruning_units, token_pieces, word_units)
 
 
 def _is_subsequence(kept: str, original: str) -> bool:
@@ -33,8 +37,15 @@ def test_token_pruning_keeps_exactly_ceil_gamma_t_in_order(tiny_lm, examples):
         for c in out:
             k = math.ceil(round(c.budget * T, 9))
             assert c.kept_tokens == k and c.cot_tokens == T
-            # the kept tokens are the k highest scores
-            assert s.scores[c.kept].min() >= s.scores[~c.kept].max() if k < T else True
+            # units best first: no dropped one-token unit outscores a kept unit (a number of
+            # several tokens is one unit, scored by its mean)
+            units = np.unique(pruning_units(ex.cot, s.chain_offsets, "token"), return_inverse=True)[1]
+            means = np.bincount(units, weights=s.scores) / np.bincount(units)
+            single = np.bincount(units) == 1
+            kept_u = np.zeros(len(means), bool)
+            kept_u[units[c.kept]] = True
+            if k < T and (single & ~kept_u).any():
+                assert means[kept_u].min() >= means[single & ~kept_u].max()
             # the text is exactly the kept tokens' pieces of the original, in order
             pieces = token_pieces(ex.cot, s.chain_offsets)
             assert c.text == "".join(p for p, k in zip(pieces, c.kept) if k).strip()
@@ -99,8 +110,8 @@ def test_keep_digits_forces_number_tokens():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.text(alphabet="ab1 \n", min_size=1, max_size=4), min_size=1, max_size=30),
-       st.floats(0.01, 1.0), st.sampled_from(["token", "word"]), st.integers(0, 2**31))
+@given(st.lists(st.text(alphabet="ab12 .,=+\n", min_size=1, max_size=4), min_size=1, max_size=30),
+       st.floats(0.01, 1.0), st.sampled_from(UNITS), st.integers(0, 2**31))
 def test_pruning_invariants_on_random_chains(pieces, budget, unit, seed):
     cot = "".join(pieces)
     if not cot.strip():
@@ -113,5 +124,104 @@ def test_pruning_invariants_on_random_chains(pieces, budget, unit, seed):
     ex = Example("q", cot, "a")
     [c] = prune(ex, SimpleNamespace(scores=scores, chain_offsets=np.array(offsets)), [budget], unit=unit)
     k = budget_tokens(budget, len(pieces))
-    assert (c.kept_tokens == k) if unit == "token" else (c.kept_tokens <= k)
+    offsets = np.array(offsets)
+    assert cut_numbers(cot, offsets, c.kept) == 0
+    units = np.unique(pruning_units(cot, offsets, unit), return_inverse=True)[1]
+    sizes = np.bincount(units)
+    dropped = np.setdiff1d(units, units[c.kept])
+    if c.kept_tokens > k:  # only where not one unit fits
+        assert sizes.min() > k and len(np.unique(units[c.kept])) == 1
+    elif unit == "token":  # filled up to k but for units too big for what is left
+        assert (sizes[dropped] > k - c.kept_tokens).all()
     assert _is_subsequence(c.text, cot)
+
+
+# ---------------------------------------------------------------- numbers and equations whole
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# A digit a token, as the Llama 3, Qwen2 and SmolLM2 tokenizers write numbers.
+_DIGIT_TOKENS = re.compile(r"\d|[A-Za-z]+|\s+|[^\sA-Za-z\d]")
+
+
+def digit_tokens(cot: str) -> np.ndarray:
+    return np.array([m.span() for m in _DIGIT_TOKENS.finditer(cot)])
+
+
+def test_a_number_is_one_unit_whatever_the_tokenizer():
+    cot = "She has 16 eggs and 1,250.5 dollars, so 16 * 2 = 32."
+    offsets = digit_tokens(cot)
+    for unit in UNITS:
+        units = pruning_units(cot, offsets, unit)
+        for m in NUMBER.finditer(cot):
+            a, b = m.span()
+            inside = units[(offsets[:, 0] < b) & (offsets[:, 1] > a)]
+            assert len(set(inside.tolist())) == 1, (unit, m.group())
+    tokens = pruning_units(cot, offsets, "token")
+    assert len(set(tokens.tolist())) == len(offsets) - 1 - 6 - 1 - 1  # 16, 1,250.5, 16, 32 joined
+
+
+def test_equation_unit_keeps_an_equation_whole():
+    cot = "Janet sells 16 - 3 - 4 = 9 eggs. She makes 9 * 2 = $18 a day, not x = 2."
+    offsets = digit_tokens(cot)
+    units = pruning_units(cot, offsets, "equation")
+    words = pruning_units(cot, offsets, "word")
+    for eq in ("16 - 3 - 4 = 9", "9 * 2 = $18"):
+        a = cot.index(eq)
+        inside = units[(offsets[:, 0] < a + len(eq)) & (offsets[:, 1] > a)]
+        assert len(set(inside.tolist())) == 1, eq
+    at = cot.index("x = 2")  # no operator between numbers: words as usual
+    assert len(set(units[(offsets[:, 0] >= at) & (offsets[:, 1] <= at + 5)].tolist())) == 3
+    assert len(set(units.tolist())) < len(set(words.tolist()))
+
+
+def test_token_pruning_never_keeps_part_of_a_number():
+    ex = Example("q?", "She has 16 eggs.", "16")
+    offsets = digit_tokens(ex.cot)  # She, ' ', has, ' ', 1, 6, ' ', eggs, .
+    scores = np.array([0.0, 0.0, 0.0, 0.0, 5.0, -5.0, 0.0, 1.0, 0.0])
+    top = np.argsort(-scores, kind="stable")[:5]
+    assert 4 in top and 5 not in top  # the plain top ⌈γT⌉ would keep `1` of `16`
+    [c] = prune(ex, SimpleNamespace(scores=scores, chain_offsets=offsets), [0.5])
+    assert c.kept[4] == c.kept[5] and c.kept_tokens == 5 and cut_numbers(ex.cot, offsets, c.kept) == 0
+
+
+def test_no_gsm8k_number_is_cut_at_any_unit_or_budget():
+    """200 GSM8K test chains, a digit a token, random scores: every unit, every budget."""
+    adapter = get_adapter("gsm8k")
+    lines = (DATA / "gsm8k" / "test.jsonl").open().readlines()[:200]
+    rng = np.random.default_rng(0)
+    numbers = 0
+    for line in lines:
+        ex = adapter(json.loads(line))
+        offsets = digit_tokens(ex.cot)
+        numbers += len(NUMBER.findall(ex.cot))
+        scores = rng.normal(size=len(offsets))
+        for unit in UNITS:
+            for c in prune_scores(ex, scores, offsets, [0.1, 0.3, 0.5, 0.7, 0.9], unit):
+                assert cut_numbers(ex.cot, offsets, c.kept) == 0, (ex.key, unit, c.budget)
+                assert c.kept_tokens <= budget_tokens(c.budget, len(offsets))
+    assert numbers > 1000
+    # the plain top-k, as pruning was before, cuts many of them
+    cut = sum(cut_numbers(ex.cot, digit_tokens(ex.cot),
+                          np.argsort(np.argsort(-rng.normal(size=len(digit_tokens(ex.cot))))) < 
+                          budget_tokens(0.5, len(digit_tokens(ex.cot))))
+              for ex in (adapter(json.loads(line)) for line in lines[:20]))
+    assert cut > 10
+
+
+def test_merge_spans_matches_a_plain_union():
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        T = int(rng.integers(1, 30))
+        widths = rng.integers(1, 4, size=T)
+        stops = np.cumsum(widths)
+        offsets = np.stack([stops - widths, stops], 1)
+        units = np.cumsum(rng.random(T) < 0.6)
+        spans = [tuple(sorted(rng.integers(0, stops[-1] + 1, size=2))) for _ in range(3)]
+        got = merge_spans(units, offsets, spans)
+        want = units.copy()  # the plain way: join every unit a span touches, until nothing moves
+        for _ in range(T):
+            for a, b in spans:
+                touched = np.nonzero((offsets[:, 0] < b) & (offsets[:, 1] > a))[0]
+                if len(touched):
+                    want[np.isin(want, want[touched])] = want[touched].min()
+        assert (np.unique(got, return_inverse=True)[1] == np.unique(want, return_inverse=True)[1]).all()
