@@ -8,6 +8,7 @@ raises ConfigError (exit status 2) with a sentence that names the setting."""
 from __future__ import annotations
 
 import argparse
+import reprlib
 from typing import Any, Callable
 
 import yaml
@@ -48,47 +49,80 @@ def _choices(info) -> tuple | None:
 
 # ---------------------------------------------------------------- value parsers, shared
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 2, 60, 60, 40
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
+
+
+def shown(value) -> str:
+    """A value as an error message quotes it: shortened, and costing little whatever its
+    size (a YAML file's value can be large, or nested far)."""
+    try:
+        return _REPR.repr(value)
+    except ValueError:  # an int past int()'s digit limit has no repr
+        return f"<a {type(value).__name__}>"
+
+
+def _scalar(v) -> bool:
+    return isinstance(v, (str, int, float)) and not isinstance(v, bool)
+
+
+def _items(value) -> list:
+    """A comma-separated string's parts, or a YAML list's scalar items."""
+    if isinstance(value, str):
+        return value.split(",")
+    if isinstance(value, (list, tuple)) and all(_scalar(v) for v in value):
+        return list(value)
+    if _scalar(value):
+        return [value]
+    raise ValueError("not a list of numbers")
+
 
 def parse_floats(value) -> list[float]:
-    items = value.split(",") if isinstance(value, str) else list(value)
     try:
-        return [float(v) for v in items if str(v).strip()]
+        return [float(v) for v in _items(value) if str(v).strip()]
     except (TypeError, ValueError):
-        raise ConfigError(f"budgets must be numbers like 0.5,0.7, not {value!r}") from None
+        raise ConfigError(f"budgets must be numbers like 0.5,0.7, not {shown(value)}") from None
 
 
 def parse_actors(value) -> tuple[int, int]:
-    if isinstance(value, int):
-        items = [value]
-    elif isinstance(value, str):
-        items = value.split(",")
-    else:
-        items = list(value)
     try:
+        items = _items(value)
+        if any(isinstance(v, float) and not v.is_integer() for v in items):
+            raise ValueError("not whole")
         nums = [int(v) for v in items]
-    except (TypeError, ValueError):
-        raise ConfigError(f"actors must be N or MIN,MAX, not {value!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"actors must be N or MIN,MAX, not {shown(value)}") from None
     if len(nums) not in (1, 2):
-        raise ConfigError(f"actors must be N or MIN,MAX, not {value!r}")
+        raise ConfigError(f"actors must be N or MIN,MAX, not {shown(value)}")
     return (nums[0], nums[-1])
 
 
 def parse_columns(value) -> dict[str, str]:
     if isinstance(value, dict):
+        if not all(_scalar(v) for v in value.values()):
+            raise ConfigError(f"columns maps fields to column names, not {shown(value)}")
         return {str(k): str(v) for k, v in value.items()}
+    if not isinstance(value, str):
+        raise ConfigError(f"columns must look like question=q,cot=c,answer=a,id=i, "
+                          f"not {shown(value)}")
     out = {}
-    for part in str(value).split(","):
+    for part in value.split(","):
         if part.strip():
             key, sep, col = part.partition("=")
             if not sep:
                 raise ConfigError(f"columns must look like question=q,cot=c,answer=a,id=i, "
-                                  f"not {value!r}")
+                                  f"not {shown(value)}")
             out[key.strip()] = col.strip()
     return out
 
 
 def _auto_or(value, parse):
-    return None if value is None or str(value).strip().lower() == "auto" else parse(value)
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    if not _scalar(value):  # a list or mapping where one value is wanted
+        raise ValueError(f"not {shown(value)}")
+    return parse(value)
 
 
 def _message(e: ValidationError) -> str:
@@ -102,8 +136,14 @@ def _message(e: ValidationError) -> str:
     if err["type"] == "missing":
         return f"{name} is required: give --{name.replace('_', '-')}"
     if err["type"] == "extra_forbidden":
-        return f"unknown setting {name!r}"
-    return f"{name}: {err['msg']} (got {err.get('input')!r})"
+        return f"unknown setting {shown(name)}"
+    return one_line(f"{name}: {err['msg']} (got {shown(err.get('input'))})")
+
+
+def one_line(text: str, limit: int = 400) -> str:
+    """A message as one line of bounded length (the error policy prints one line)."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 class Settings(BaseModel):
@@ -164,7 +204,11 @@ class Settings(BaseModel):
     @field_validator("input", mode="before")
     @classmethod
     def _input(cls, v):
-        return [v] if isinstance(v, str) else [str(x) for x in v]
+        if isinstance(v, str):
+            return [v]
+        if isinstance(v, (list, tuple)) and all(_scalar(x) for x in v):
+            return [str(x) for x in v]  # a YAML list may read a name like 2024 as a number
+        raise ConfigError(f"input must be a URI or a list of URIs, not {shown(v)}")
 
     @field_validator("columns", mode="before")
     @classmethod
@@ -176,7 +220,7 @@ class Settings(BaseModel):
     def _budgets(cls, v):
         budgets = parse_floats(v)
         if not budgets or any(not 0.0 < b <= 1.0 for b in budgets):  # NaN fails this too
-            raise ConfigError(f"budgets must lie in (0, 1], got {budgets}")
+            raise ConfigError(f"budgets must lie in (0, 1], got {shown(budgets)}")
         return sorted(set(budgets))
 
     @field_validator("actors", mode="before")
@@ -203,7 +247,7 @@ class Settings(BaseModel):
             value = getattr(self, name)
             if allowed is not None and value not in allowed:
                 raise ConfigError(f"{name} must be one of {', '.join(map(str, allowed))}, "
-                                  f"not {value!r}")
+                                  f"not {shown(value)}")
         if not self.input:
             raise ConfigError("give at least one --input")
         if self.columns:
@@ -315,8 +359,13 @@ class JobConfig(Settings):
     @field_validator("batch_tokens", mode="before")
     @classmethod
     def _batch_tokens(cls, v):
-        tokens = "auto" if str(v).strip().lower() == "auto" else int(v)
-        if tokens != "auto" and tokens < 1:
+        try:
+            tokens = _auto_or(v, int)
+        except (ValueError, OverflowError):  # int() of a word, NaN or inf
+            raise ConfigError(f"batch_tokens must be a number or auto, not {shown(v)}") from None
+        if tokens is None:
+            return "auto"
+        if tokens < 1:
             raise ConfigError("batch_tokens must be at least 1 or auto")
         return tokens
 
@@ -325,7 +374,10 @@ class JobConfig(Settings):
     def _max_memory(cls, v):
         from mist_core.memory import parse_bytes
 
-        size = _auto_or(v, parse_bytes)
+        try:  # parse_bytes reads a size's text or a number of bytes
+            size = _auto_or(v, lambda x: parse_bytes(x if isinstance(x, (int, str)) else str(x)))
+        except OverflowError:
+            raise ConfigError(f"max_memory must be a size like 6GB, not {shown(v)}") from None
         if size is not None and size < 1:
             raise ConfigError(f"max_memory must be a positive size, got {size} bytes")
         return size
@@ -399,18 +451,27 @@ class EvalConfig(Settings):
     @field_validator("methods", mode="before")
     @classmethod
     def _methods(cls, v):
-        methods = [m.strip() for m in v.split(",")] if isinstance(v, str) else list(v)
+        try:
+            methods = [str(m).strip() for m in _items(v)]
+        except ValueError:
+            raise ConfigError(f"methods must be names like mist,uniform, not {shown(v)}") from None
         methods = [m for m in methods if m]
         bad = [m for m in methods if m not in _method_names()]
         if bad or not methods:
-            raise ConfigError(f"unknown methods {bad}; choose from {', '.join(_method_names())}")
+            raise ConfigError(f"unknown methods {shown(bad)}; choose from "
+                              f"{', '.join(_method_names())}")
         return methods
 
     @field_validator("exact_layers", mode="before")
     @classmethod
     def _exact_layers(cls, v):
-        return _auto_or(v, lambda x: [int(i) for i in (x.split(",") if isinstance(x, str)
-                                                        else x) if str(i).strip()])
+        if v is None or (isinstance(v, str) and v.strip().lower() == "auto"):
+            return None
+        try:
+            return [int(i) for i in _items(v) if str(i).strip()]
+        except (ValueError, OverflowError):
+            raise ConfigError(f"exact_layers must be block numbers like 2,4 or auto, "
+                              f"not {shown(v)}") from None
 
     def _check_more(self) -> None:
         if self.exact_n < 0 or self.extra_new < 0:
@@ -469,14 +530,48 @@ def build_parser(kind: type[Settings], prog: str, description: str, epilog: str 
     return p
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a settings file is a few lines; this bounds what parsing may cost
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """safe_load's loader, refusing aliases (`*name`, also in `<<: *name`): a few lines of
+    nested aliases stand for billions of values (the `billion laughs`), which a message or
+    a str() of the value would then expand. A settings file has no need of them."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise yaml.composer.ComposerError(
+                None, None, "uses an alias (*name): write the value out instead", mark)
+        return super().compose_node(parent, index)
+
+
 def load_yaml(path: str) -> dict:
+    """A settings file's mapping: UTF-8, at most MAX_CONFIG_BYTES, safe YAML without aliases."""
     try:
-        with open(path, encoding="utf-8") as f:
-            values = yaml.safe_load(f) or {}
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_BYTES >> 20} MiB: "
+                          "not a settings file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start})") from None
+    loader = None
+    try:
+        loader = _ConfigLoader(text)  # its reader already refuses control characters
+        values = loader.get_single_data()
+    except (yaml.YAMLError, ValueError, RecursionError) as e:  # ValueError: an integer past
+        # int()'s digit limit; RecursionError: nesting deeper than the composer recurses
+        raise ConfigError(one_line(f"config file {path} is not valid YAML: {e}")) from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+    if values is None:
+        return {}
     if not isinstance(values, dict):
         raise ConfigError(f"config file {path} must hold a mapping of settings")
     return values
@@ -489,9 +584,9 @@ def from_mapping(values: dict, base: Settings | None = None, kind: type[Settings
     names = set(kind.model_fields)
     merged = base.model_dump() if base is not None else {}
     for key, value in values.items():
-        name = str(key).replace("-", "_")
+        name = str(key).replace("-", "_")  # a YAML key may be a number or null
         if name not in names:
-            raise ConfigError(f"unknown setting {key!r}; known: {', '.join(sorted(names))}")
+            raise ConfigError(f"unknown setting {shown(key)}; known: {', '.join(sorted(names))}")
         merged[name] = value
     return kind(**merged)
 
@@ -501,8 +596,11 @@ def parse(kind: type[Settings], argv: list[str] | None, prog: str, description: 
     """Defaults, then --config's YAML, then the flags given."""
     args = vars(build_parser(kind, prog, description, epilog).parse_args(argv))
     values = load_yaml(args.pop("config")) if "config" in args else {}
-    return from_mapping({**{k.replace("-", "_"): v for k, v in values.items()}, **args},
-                        kind=kind)
+    names = set(kind.model_fields)
+    # A YAML key that names no setting keeps its own form (1, None) for from_mapping's message.
+    values = {str(k).replace("-", "_") if str(k).replace("-", "_") in names else k: v
+              for k, v in values.items()}
+    return from_mapping({**values, **args}, kind=kind)
 
 
 def validate(cfg: Settings) -> Settings:
