@@ -584,7 +584,7 @@ def from_mapping(values: dict, base: Settings | None = None, kind: type[Settings
     names = set(kind.model_fields)
     merged = base.model_dump() if base is not None else {}
     for key, value in values.items():
-        name = str(key).replace("-", "_")  # a YAML key may be a number or null
+        name = key.replace("-", "_") if isinstance(key, str) else None  # YAML: 1:, ~:
         if name not in names:
             raise ConfigError(f"unknown setting {shown(key)}; known: {', '.join(sorted(names))}")
         merged[name] = value
@@ -596,10 +596,7 @@ def parse(kind: type[Settings], argv: list[str] | None, prog: str, description: 
     """Defaults, then --config's YAML, then the flags given."""
     args = vars(build_parser(kind, prog, description, epilog).parse_args(argv))
     values = load_yaml(args.pop("config")) if "config" in args else {}
-    names = set(kind.model_fields)
-    # A YAML key that names no setting keeps its own form (1, None) for from_mapping's message.
-    values = {str(k).replace("-", "_") if str(k).replace("-", "_") in names else k: v
-              for k, v in values.items()}
+    values = {k.replace("-", "_") if isinstance(k, str) else k: v for k, v in values.items()}
     return from_mapping({**values, **args}, kind=kind)
 
 
