@@ -67,6 +67,10 @@ def eager_attention(lm: LM):
 
 
 class _AttentionScorer(Scorer):
+    def _rows(self, enc: Encoded) -> tuple[int, int]:
+        """The attention rows read: those whose logits score the answer."""
+        return enc.answer_start - 1, enc.answer_stop - 1
+
     @torch.no_grad()
     def _score_batch(self, batch: list[Encoded], plan=None) -> list[ScoredChain]:
         ids, mask = pad([e.source_ids for e in batch], self.lm.pad_id, self.lm.device)
@@ -78,7 +82,7 @@ class _AttentionScorer(Scorer):
         for b, enc in enumerate(batch):
             n = len(enc.source_ids)
             per_layer = [a[b, :, :n, :n].double() for a in attentions]  # [H, S, S] each
-            rows = torch.arange(enc.answer_start - 1, enc.answer_stop - 1, device=ids.device)
+            rows = torch.arange(*self._rows(enc), device=ids.device)
             scores = self._attribute(per_layer, rows)[enc.chain_start: enc.chain_stop]
             out.append(ScoredChain.from_encoded(enc, self.method, scores.cpu().numpy()))
         return out
@@ -92,6 +96,17 @@ class H2OScorer(_AttentionScorer):
 
     def _attribute(self, per_layer, rows):
         return sum(a[:, rows].sum((0, 1)) for a in per_layer)
+
+
+class CrispScorer(H2OScorer):
+    """CRISP-style (arXiv 2604.17297): the attention the end-of-thinking position (the first
+    token after the chain, where the model turns from reasoning to answering) pays each
+    chain token, summed over layers and heads. One row, where H2O reads every answer row."""
+
+    method = "crisp"
+
+    def _rows(self, enc: Encoded) -> tuple[int, int]:
+        return enc.chain_stop, enc.chain_stop + 1
 
 
 class AttentionRolloutScorer(_AttentionScorer):

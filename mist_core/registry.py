@@ -16,6 +16,7 @@ def _factories():
         "perplexity": baselines.PerplexityScorer,
         "attention_rollout": baselines.AttentionRolloutScorer,
         "h2o": baselines.H2OScorer,
+        "crisp": baselines.CrispScorer,
         "gogi_l1": baselines.GoGIScorer,
         "llmlingua2": baselines.LLMLingua2Scorer,
     }

@@ -13,7 +13,7 @@ from mist_core.formats import budget_label
 # One MIST scoring gives all four (mist_clipped: MistScorer(layer_weights="clipped"), a
 # variant the downstream testbed tries).
 MIST_METHODS = ("mist", "necessity", "sufficiency", "mist_clipped")
-BASELINES = ("uniform", "perplexity", "attention_rollout", "h2o", "gogi_l1", "llmlingua2")
+BASELINES = ("uniform", "perplexity", "attention_rollout", "h2o", "crisp", "gogi_l1", "llmlingua2")
 POSITIONAL = ("head", "tail")  # keep the first / last tokens
 ENDS = ("full", "nochain")  # the whole chain / no chain
 ALL_METHODS = MIST_METHODS + BASELINES + POSITIONAL + ENDS

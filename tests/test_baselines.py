@@ -46,6 +46,14 @@ def test_h2o_and_rollout_follow_their_definitions(tiny_lm, examples):
     assert tiny_lm.model.config._attn_implementation == "sdpa"  # switched back
 
 
+def test_crisp_reads_the_end_of_thinking_row(tiny_lm, examples):
+    for s in get_scorer("crisp", tiny_lm).score(examples):
+        att = [x[0].double().numpy() for x in _full_forward(tiny_lm, s.source_ids, True).attentions]
+        end = s.chain_start + len(s.scores)  # the first token after the chain
+        want = sum(x[:, end] for x in att).sum(0)[s.chain_start:end]
+        np.testing.assert_allclose(s.scores, want, rtol=1e-5)
+
+
 def test_gogi_is_the_l1_norm_of_the_gradient(tiny_lm, examples):
     [s] = get_scorer("gogi_l1", tiny_lm).score(examples[:1])
     L = tiny_lm.n_layers
