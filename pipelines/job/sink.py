@@ -1,8 +1,8 @@
 """The write stage: a Ray Data Datasink that turns processed rows into the output files and
 returns exact counts to the driver.
 
-Each write task writes one group of files sharing a name (the stem): rejects/, sft/ and
-scores/ first, data/ last. The data/ file commits the group: the next run deletes any sft/ or
+Each write task writes its rows as groups of at most --rows-per-file rows, each group one
+set of files sharing a name (the stem): rejects/, sft/ and scores/ first, data/ last. The data/ file commits the group: the next run deletes any sft/ or
 scores/ file whose data/ partner is missing (the remains of a crashed run) and treats the ids
 in data/ as done. Rejects need no partner: a run skips writing a reject that rejects/ already
 holds. Every file appears whole (written under a temporary name, then moved), and the stem is
@@ -102,13 +102,24 @@ class OutputSink(Datasink):
             self.fs.create_dir(storage.join(self.root, d), recursive=True)
 
     def write(self, blocks, ctx) -> WriteStats:
+        """Write the rows Ray Data hands this task as groups of at most rows_per_file input
+        rows each: Ray bundles whole blocks, at least min_rows_per_write rows but often more
+        (a scoring call's 256), and the group is what a crash redoes."""
         tables = [BlockAccessor.for_block(b).to_arrow() for b in blocks]
         tables = [t for t in tables if t.num_rows]
         stats = WriteStats()
         if not tables:
             return stats
-        rows = pa.concat_tables(tables).to_pylist()
-        where = sorted((r["input"], r["source"], r["row"]) for r in rows)
+        # In input order, so that a retried task cuts the same groups (the same file names).
+        rows = sorted(pa.concat_tables(tables).to_pylist(),
+                      key=lambda r: (r["input"], r["source"], r["row"]))
+        for i in range(0, len(rows), self.rows_per_file):
+            stats.add(self._write_group(rows[i:i + self.rows_per_file]))
+        return stats
+
+    def _write_group(self, rows: list[dict]) -> WriteStats:
+        stats = WriteStats()
+        where = [(r["input"], r["source"], r["row"]) for r in rows]
         digest = hashlib.sha256(json.dumps(where).encode("utf-8")).hexdigest()[:16]
         stem = f"{self.run_id}-{digest}"
 
