@@ -28,6 +28,8 @@ import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from .errors import ConfigError
+
 _COMPRESSION = (".gz", ".bz2", ".zst", ".lz4", ".br")
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -98,9 +100,27 @@ def one_line(e: BaseException) -> str:
     return text
 
 
+def s3_endpoint() -> tuple[str | None, str | None]:
+    """(endpoint URL, region) for S3: the endpoint of AWS_ENDPOINT_URL_S3 or
+    AWS_ENDPOINT_URL (MinIO, moto, …), None for AWS itself. An endpoint with a
+    `user:password@` part is refused: pyarrow would take it for a host name (and fail as a
+    storage outage, the user name in its message); S3 credentials travel in the AWS chain,
+    not the URL. The message names the variable, never its value."""
+    name = next((n for n in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if os.environ.get(n)),
+                None)
+    endpoint = os.environ[name] if name else None
+    if endpoint and "@" in (urlsplit(endpoint).netloc if "//" in endpoint else endpoint):
+        raise ConfigError(f"{name} holds a user name or password (user:password@host): give "
+                          "the endpoint as scheme://host:port and the credentials as "
+                          "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile)")
+    # Without a region the SDK would probe EC2 metadata, which a custom endpoint never needs.
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    return endpoint, (region or "us-east-1") if (region or endpoint) else None
+
+
 def s3_filesystem() -> pafs.S3FileSystem:
-    """S3 with the endpoint of AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL (MinIO, moto, …)."""
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    """S3 with the endpoint of AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL (s3_endpoint)."""
+    endpoint, region = s3_endpoint()
     kwargs = {}
     if endpoint:
         parts = urlsplit(endpoint)
@@ -108,10 +128,8 @@ def s3_filesystem() -> pafs.S3FileSystem:
             kwargs.update(scheme=parts.scheme, endpoint_override=parts.netloc)
         else:
             kwargs["endpoint_override"] = endpoint
-    # Without a region the SDK would probe EC2 metadata, which a custom endpoint never needs.
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    if region or endpoint:
-        kwargs["region"] = region or "us-east-1"
+    if region:
+        kwargs["region"] = region
     return pafs.S3FileSystem(**kwargs)
 
 
