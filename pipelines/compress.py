@@ -24,7 +24,7 @@ from mist_core.formats import (DATA_COLUMNS, REJECT_SCHEMA, SCORES_SCHEMA, budge
                                data_schema, fits, kinds_type, sft_budgets, sft_format_name)
 
 from . import errors, rows, runtime, storage
-from .job import placement, stages
+from .job import lease, placement, stages
 from .settings import JobConfig, parse
 from .errors import AccountingError, ConfigError, ErrorBudgetExceeded, causes
 from .job.output import Existing, Output
@@ -304,6 +304,19 @@ def run(cfg: JobConfig) -> dict:
         rows.template_for(cfg.model, cfg.template, cfg.trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot load the tokenizer of --model {cfg.model}: {e}") from None
+    out.check_bucket()
+    # One writer per output, from before the first write to after the manifest: a second
+    # run refuses here, before it starts Ray (lease.py).
+    held = lease.acquire(out, run_id)
+    try:
+        return _run(cfg, out, inputs, model_name, held, run_id=run_id, t0=t0, started=started)
+    finally:
+        held.release()
+
+
+def _run(cfg: JobConfig, out: Output, inputs: list[Input], model_name: str, held, *,
+         run_id: str, t0: float, started: str) -> dict:
+    """run() once the output's lease is held."""
     runtime.init_ray(cfg.address, cfg.actors, cfg.cpus_per_actor)
 
     if cfg.mode == "overwrite":
@@ -366,6 +379,7 @@ def run(cfg: JobConfig) -> dict:
                              existing=existing, totals=totals, run_s=run_s,
                              total_s=time.perf_counter() - t0, conformed=conformed,
                              device=device, actors=actors)
+    held.check()  # the manifest is the lease holder's
     out.write_manifest(manifest)
     return manifest
 
@@ -458,7 +472,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.compres
         print(summary(manifest, Output(cfg.output)), flush=True)
         return 0
 
-    return errors.run_main(body)
+    return errors.run_main(body, interrupted=INTERRUPTED)
+
+
+INTERRUPTED = ("interrupted (Ctrl-C) before the run finished; the file groups it committed "
+               "stay: rerun the same command to resume")
 
 
 if __name__ == "__main__":

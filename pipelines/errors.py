@@ -7,6 +7,7 @@ what went wrong is said in one `error:` line on stderr and the exit status says 
   3  accounting: the counts of a run do not add up (rows lost or duplicated)
   4  storage unreachable past the retries (every file written is whole; rerun to resume)
   5  more rows failed than --max-error-share allows (no manifest; rerun to redo them)
+  130  interrupted (Ctrl-C)
 
 Light on purpose (the standard library; torch, Ray and storage only on the error path):
 the settings module imports this one, and `mist --help` or `report` must not wait for torch."""
@@ -14,14 +15,20 @@ from __future__ import annotations
 
 import logging
 import re
+import signal
 import sys
 from typing import Callable
 
 OK, BAD_INPUT, ACCOUNTING, STORAGE, ERROR_BUDGET = 0, 2, 3, 4, 5
+INTERRUPTED = 130  # Ctrl-C, as shells report a process that SIGINT ended (128 + 2)
 
 
 class ConfigError(ValueError):
     """Settings that cannot run: the message says which and why."""
+
+
+class OutputBusy(ConfigError):
+    """Another run holds the output's lease (job/lease.py): this one refuses before work."""
 
 
 class AccountingError(RuntimeError):
@@ -80,21 +87,28 @@ def classify(e: BaseException) -> tuple[int, str] | None:
     return None
 
 
-def run_main(body: Callable[[], int]) -> int:
+def run_main(body: Callable[[], int], interrupted: str = "interrupted (Ctrl-C)") -> int:
     """Run an entry point's body under the policy: a known error is one line and its exit
     status; Ray, if this process started it, is shut down first so that its shutdown
-    messages do not follow ours."""
+    messages do not follow ours. Ctrl-C is the line `interrupted` and exit status 130."""
     try:
         return body()
+    except KeyboardInterrupt:
+        # A second Ctrl-C while Ray shuts down would print the traceback this line replaces.
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except ValueError:  # not the main thread: nothing to guard
+            pass
+        known = (INTERRUPTED, interrupted)
     except Exception as e:
         known = classify(e)
         if known is None:
             raise
-        ray = sys.modules.get("ray")
-        if ray is not None and ray.is_initialized():
-            ray.shutdown()
-        print(f"error: {known[1]}", file=sys.stderr, flush=True)
-        return known[0]
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+    print(f"error: {known[1]}", file=sys.stderr, flush=True)
+    return known[0]
 
 
 def setup_logging() -> None:

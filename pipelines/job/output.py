@@ -17,6 +17,7 @@ from mist_core.formats import DATA_COLUMNS, LLAMAFACTORY_NAME, budget_label, lla
 
 from .. import storage
 from ..errors import ConfigError
+from .lease import LEASE
 from .sink import DIRS, reject_key
 
 MANIFEST = "_manifest.json"
@@ -25,7 +26,7 @@ DATASET_INFO = "dataset_info.json"  # LLaMA-Factory's entry for sft/ (formats.ll
 # A parquet folder with no rows yet holds one empty file of its schema, so that glob reads
 # (duckdb 'rejects/*.parquet', polars) find a file and the columns instead of failing.
 EMPTY = "empty"
-_OURS = set(DIRS) | {MANIFEST, PREVIOUS, DATASET_INFO}
+_OURS = set(DIRS) | {MANIFEST, PREVIOUS, DATASET_INFO, LEASE}
 
 
 @dataclass
@@ -62,6 +63,14 @@ class Output:
         return self.fs.get_file_info(pafs.FileSelector(self.root, recursive=False))
 
     @storage.retried
+    def check_bucket(self) -> None:
+        """An output in a bucket that does not exist fails now, before any scoring."""
+        if self.prefix and self.fs.get_file_info(self.root.split("/", 1)[0]).type == \
+                pafs.FileType.NotFound:
+            raise ConfigError(f"the output bucket {self.root.split('/', 1)[0]} does not exist: "
+                              "create it or choose another --output")
+
+    @storage.retried
     def clear(self) -> None:
         """--mode overwrite: delete what this job wrote here, refusing if the folder holds
         anything else (a mistyped --output must not wipe someone's data)."""
@@ -72,6 +81,8 @@ class Output:
             raise ConfigError(f"refusing to overwrite {self.display()}: it holds files this job "
                               f"did not write ({', '.join(sorted(foreign)[:5])})")
         for e in entries:
+            if e.base_name == LEASE:  # this run's own
+                continue
             if e.type == pafs.FileType.Directory:
                 self.fs.delete_dir(e.path)
             else:
