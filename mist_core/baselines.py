@@ -169,8 +169,10 @@ class LLMLingua2Scorer(Scorer):
         try:
             from transformers import AutoModelForTokenClassification, AutoTokenizer
 
-            self.cls_tok = AutoTokenizer.from_pretrained(classifier)
-            self.cls_model = AutoModelForTokenClassification.from_pretrained(classifier).eval()
+            # a classifier's own Python never runs: the one TokenSkip uses needs none
+            self.cls_tok = AutoTokenizer.from_pretrained(classifier, trust_remote_code=False)
+            self.cls_model = AutoModelForTokenClassification.from_pretrained(
+                classifier, trust_remote_code=False).eval()
         except (OSError, ValueError) as err:
             raise MissingDependency(
                 f"the llmlingua2 scorer needs the LLMLingua-2 classifier {classifier!r} (a hub "

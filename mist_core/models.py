@@ -131,8 +131,9 @@ def convert_gguf(gguf: Path) -> Path:
             return target
         log.info("converting %s to safetensors in %s (once)", gguf, target)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                     dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+                                                     dtype=torch.float32, trust_remote_code=False)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                            trust_remote_code=False)
         # A GGUF-loaded model keeps its quantizer attached and then refuses to save.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):

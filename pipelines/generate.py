@@ -47,8 +47,8 @@ class SampleActor:
 
     def __init__(self, *, model: str, dtype: str, device: str, threads: int | None, k: int,
                  style: str, temperature: float, top_p: float, max_new_tokens: int, seed: int,
-                 batch_size: int):
-        self.lm = loop.load_lm(model, dtype, device, threads)
+                 batch_size: int, trust_remote_code: bool = False):
+        self.lm = loop.load_lm(model, dtype, device, threads, trust_remote_code)
         self.kw = dict(k=k, style=style, temperature=temperature, top_p=top_p,
                        max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size)
 
@@ -119,10 +119,12 @@ def vllm_samples(questions: list[dict], args: argparse.Namespace, style: str):
     from mist_core.models import model_path
 
     path = model_path(args.model)
-    requests = vllm_requests(questions, AutoTokenizer.from_pretrained(path), k=args.k,
-                             seed=args.seed)
+    trust = getattr(args, "trust_remote_code", False)  # a caller's Namespace without it: off
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
+    requests = vllm_requests(questions, tokenizer, k=args.k, seed=args.seed)
     config = vLLMEngineProcessorConfig(
-        model_source=path, engine_kwargs={"dtype": args.dtype}, concurrency=tuple(args.actors),
+        model_source=path, concurrency=tuple(args.actors),
+        engine_kwargs={"dtype": args.dtype, "trust_remote_code": trust},
         batch_size=args.batch_size * args.k,
         # the prompts come rendered and tokenized, exactly as the transformers path does it
         chat_template_stage=False, tokenize_stage=False, detokenize_stage=False)
@@ -187,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
                 model=args.model, dtype=args.dtype, device=device,
                 threads=int(args.cpus_per_actor), k=args.k, style=style,
                 temperature=args.temperature, top_p=args.top_p,
-                max_new_tokens=args.max_new_tokens, seed=args.seed, batch_size=args.batch_size),
+                max_new_tokens=args.max_new_tokens, seed=args.seed, batch_size=args.batch_size,
+                trust_remote_code=args.trust_remote_code),
             **resources)
     samples = []
     for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
@@ -211,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
                      "temperature": args.temperature, "top_p": args.top_p,
                      "max_new_tokens": args.max_new_tokens, "seed": args.seed},
         "model": {"spec": args.model, "name": name, "path": resolve(args.model)[0],
-                  "dtype": args.dtype, "device": device, "engine": engine},
+                  "dtype": args.dtype, "device": device, "engine": engine,
+                  "trust_remote_code": args.trust_remote_code},
         "counts": counts,
         "versions": runtime.versions(),
         "timings": {"sample_s": round(run_s, 3), "total_s": round(time.perf_counter() - t0, 3)},

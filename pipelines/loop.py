@@ -18,8 +18,8 @@ from mist_core.errors import InvalidExample
 from mist_core.examples import _row_id, stable_id
 
 from . import errors, runtime, storage
-from .rows import parse_examples
-from .settings import parse_actors, parse_columns
+from .rows import parse_examples, remote_code_refused
+from .settings import one_line, parse_actors, parse_columns
 from .errors import ConfigError, ModelLoadError
 from .sources import check_submitted_paths, read_raw, resolve_inputs
 
@@ -122,7 +122,8 @@ def actor_pool(actors: tuple[int, int], cpus: float, gpus: float | None) -> tupl
     return runtime.actor_pool(actors), runtime.actor_resources(cpus, runtime.gpus_per_actor(gpus))
 
 
-def load_lm(model: str, dtype: str, device: str, threads: int | None):
+def load_lm(model: str, dtype: str, device: str, threads: int | None,
+            trust_remote_code: bool = False):
     """A model replica for an actor; a failure becomes one line for the driver (exit 2)."""
     import torch
 
@@ -131,24 +132,29 @@ def load_lm(model: str, dtype: str, device: str, threads: int | None):
     if device == "cpu" and threads:
         torch.set_num_threads(threads)
     try:
-        return load_model(model, dtype=dtype, device=device)
+        return load_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     except Exception as e:
         raise ModelLoadError(f"an actor could not load --model {model}: "
                                     f"{type(e).__name__}: {e}") from e
 
 
-def check_model(model: str) -> str:
-    """The model's display name, its tokenizer loaded here first: a wrong --model fails
-    before any actor starts, with a plain message."""
-    from transformers import AutoTokenizer
+def check_model(model: str, trust_remote_code: bool = False) -> str:
+    """The model's display name, its config and tokenizer loaded here first: a wrong
+    --model fails before Ray or any actor starts, with a plain message (the config too: a
+    tokenizer may load where the model's own code is refused). trust_remote_code is passed
+    as False, never left unset: unset, transformers asks on stdin whether to run a model
+    folder's code, and a `y` there (or `yes |`) would run it."""
+    from transformers import AutoConfig, AutoTokenizer
 
     from mist_core.models import resolve
 
     try:
         source, name = resolve(model)
-        AutoTokenizer.from_pretrained(source)
+        AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+        AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot load the tokenizer of --model {model}: {e}") from None
+        raise (remote_code_refused(model, e) or ConfigError(one_line(
+            f"cannot load the tokenizer of --model {model}: {e}"))) from None
     return name
 
 
@@ -187,6 +193,13 @@ def add_common(p: argparse.ArgumentParser, *, actors: bool = True) -> None:
         p.add_argument("--gpus-per-actor", default="auto",
                        type=lambda v: None if v == "auto" else float(v),
                        help="GPUs per model replica (default: 1 where the cluster has GPUs, else 0)")
+    add_trust_remote_code(p)
+
+
+def add_trust_remote_code(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run Python code shipped with the model or tokenizer "
+                        "(off by default: a model folder's code would run on every worker)")
 
 
 def add_questions(p: argparse.ArgumentParser) -> None:
@@ -234,7 +247,7 @@ def start(args: argparse.Namespace) -> Start:
         check_submitted_paths(args.input, args.output)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    name = check_model(args.model)
+    name = check_model(args.model, args.trust_remote_code)
     style = style_of(args.style, args.adapter)
     runtime.init_ray(args.address, args.actors, args.cpus_per_actor)
     questions, counts = read_questions(args.input, fmt=args.format, adapter=args.adapter,

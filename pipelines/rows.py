@@ -11,6 +11,8 @@ from mist_core import InvalidExample, get_adapter
 from mist_core.examples import Example
 from mist_core.formats import extra_name
 
+from .errors import ConfigError
+
 # Columns each adapter reads; the rest of a row is passed through as extra columns.
 _CONSUMED = {"gsm8k": {"question", "answer", "solution", "id"},
              "math": {"problem", "question", "solution", "answer", "id"},
@@ -128,9 +130,25 @@ def template_for(model: str, template: str, trust_remote_code: bool = False):
     from mist_core.templates import get_template
 
     source, _ = resolve(model)
-    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-    config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        refused = remote_code_refused(model, e)
+        if refused is None:
+            raise
+        raise refused from None
     max_len = getattr(config, "max_position_embeddings", None)
     tmpl = get_template(template, tokenizer, int(max_len) if max_len else 2048)
     tmpl.prefix("probe")  # a template that cannot render fails the job here, not every row
     return tmpl
+
+
+def remote_code_refused(model: str, e: Exception) -> ConfigError | None:
+    """transformers' refusal to run a model folder's own code (trust_remote_code=False,
+    which every load passes: left unset, transformers would ask on stdin, and a `y` would
+    run it) as one line naming the flag; None for any other error."""
+    if isinstance(e, ValueError) and "trust_remote_code" in str(e):
+        return ConfigError(f"--model {model} holds Python code of its own (auto_map in its "
+                           "config), which runs only with --trust-remote-code")
+    return None

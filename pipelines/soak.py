@@ -32,7 +32,8 @@ def tiny_model(path: Path) -> Path:
 
     from mist_core.models import resolve
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve("smollm2-135m-instruct")[0])
+    tokenizer = AutoTokenizer.from_pretrained(resolve("smollm2-135m-instruct")[0],
+                                              trust_remote_code=False)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=2048, tie_word_embeddings=True)

@@ -33,8 +33,9 @@ class SolveActor:
     """One model replica; answers each question of a batch under every budget."""
 
     def __init__(self, *, model: str, dtype: str, device: str, threads: int | None,
-                 budgets: list[float], style: str, max_new_tokens: int, batch_size: int):
-        self.lm = loop.load_lm(model, dtype, device, threads)
+                 budgets: list[float], style: str, max_new_tokens: int, batch_size: int,
+                 trust_remote_code: bool = False):
+        self.lm = loop.load_lm(model, dtype, device, threads, trust_remote_code)
         self.budgets, self.style = budgets, style
         self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
 
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         fn_constructor_kwargs=dict(
             model=args.model, dtype=args.dtype, device=device, threads=int(args.cpus_per_actor),
             budgets=args.budgets, style=style, max_new_tokens=args.max_new_tokens,
-            batch_size=args.batch_size),
+            batch_size=args.batch_size, trust_remote_code=args.trust_remote_code),
         **resources)
     results = []
     for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
@@ -86,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
                      "budgets": args.budgets, "max_new_tokens": args.max_new_tokens,
                      "n_boot": args.n_boot, "seed": args.seed},
         "model": {"spec": args.model, "name": name, "path": resolve(args.model)[0],
-                  "dtype": args.dtype, "device": device},
+                  "dtype": args.dtype, "device": device,
+                  "trust_remote_code": args.trust_remote_code},
         "counts": {**qcounts, "answers": len(results)},
         "versions": runtime.versions(),
         "timings": {"solve_s": round(time.perf_counter() - t_run, 3),
