@@ -32,8 +32,22 @@ REPORT = "training.json"  # written beside the weights: settings and the loss cu
 
 # ---------------------------------------------------------------- records
 
+def record_turns(rec) -> tuple[str, str]:
+    """The user turn and the assistant turn of one SFT record, whatever its layout; a
+    ValueError that says what is wrong for anything else (so that `mist train` can check
+    every record before it loads a model)."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"an SFT record is a JSON object, not a {type(rec).__name__}")
+    try:
+        user, assistant = _user_and_assistant(rec)
+    except (TypeError, AttributeError, KeyError):  # a turn list of the wrong shape
+        raise ValueError("an SFT record's turns must be {role, content} objects") from None
+    if not isinstance(user, str) or not isinstance(assistant, str):
+        raise ValueError("an SFT record's user and assistant turns must be text")
+    return user, assistant
+
+
 def _user_and_assistant(rec: dict) -> tuple[str, str]:
-    """The user turn and the assistant turn of one SFT record, whatever its layout."""
     if "prompt" in rec and "completion" in rec:
         prompt, completion = rec["prompt"], rec["completion"]
         user = prompt if isinstance(prompt, str) else _last(prompt, "user")
@@ -45,7 +59,7 @@ def _user_and_assistant(rec: dict) -> tuple[str, str]:
         user = rec["instruction"] + (f"\n\n{rec['input']}" if rec.get("input") else "")
         return user, rec["output"]
     raise ValueError("an SFT record needs prompt/completion, messages or instruction/output; "
-                     f"this one has {sorted(rec)}")
+                     f"this one has {sorted(map(str, rec))[:8]}")
 
 
 def _last(turns: list, role: str) -> str:
@@ -60,7 +74,7 @@ def training_record(rec: dict, tokenizer) -> dict:
     where the tokenizer has a chat template (TRL renders the prompt with the generation
     prompt and puts the loss on the assistant turn), else plain text (TRL appends the
     end-of-sequence token to the completion)."""
-    user, assistant = _user_and_assistant(rec)
+    user, assistant = record_turns(rec)
     if has_chat_template(tokenizer):
         return {"prompt": [{"role": "user", "content": user}],
                 "completion": [{"role": "assistant", "content": assistant}]}
@@ -140,7 +154,7 @@ def completion_loss(model, tokenizer, records: Iterable[dict], max_length: int =
 
 # ---------------------------------------------------------------- training
 
-def _load(model: str | LM):
+def _load(model: str | LM, trust_remote_code: bool = False):
     """(model, tokenizer, the LM handle to restore afterwards or None)."""
     if isinstance(model, LM):
         model.model.requires_grad_(True)  # load_model/wrap_model freeze it for scoring
@@ -148,20 +162,21 @@ def _load(model: str | LM):
         return model.model, model.tokenizer, model
     from .models import load_model
 
-    lm = load_model(model, for_training=True)
+    lm = load_model(model, for_training=True, trust_remote_code=trust_remote_code)
     return lm.model, lm.tokenizer, None
 
 
 def finetune(model: str | LM, records: Iterable[dict], output_dir: str | os.PathLike, *,
              lora: bool = False, lora_rank: int = 16, epochs: float = 1.0,
              learning_rate: float = 2e-5, batch_size: int = 8, max_length: int = 2048,
-             seed: int = 0, log_every: int = 10) -> Path:
+             seed: int = 0, log_every: int = 10, trust_remote_code: bool = False) -> Path:
     """Fine-tune `model` (a spec load_model reads, or an LM in memory, trained in place) on
     SFT records and save it to `output_dir` (safetensors weights, tokenizer, and
     training.json with the settings and the loss curve). LoRA adapters (rank `lora_rank` on
     every linear layer of the blocks) are merged into the weights before saving, so the
     folder is a plain model either way. Under torch.distributed (Ray Train) every process
-    trains its shard and only the first saves. Returns the folder."""
+    trains its shard and only the first saves. A model folder's own Python code runs only
+    with trust_remote_code. Returns the folder."""
     from datasets import Dataset
 
     try:
@@ -171,7 +186,7 @@ def finetune(model: str | LM, records: Iterable[dict], output_dir: str | os.Path
     except ImportError as e:
         raise MissingDependency(f"fine-tuning needs TRL{' and peft' if lora else ''} ({e.name} "
                                 "is missing): pip install 'mist-cot[train]'") from None
-    net, tokenizer, handle = _load(model)
+    net, tokenizer, handle = _load(model, trust_remote_code)
     rows = [training_record(r, tokenizer) for r in records]
     if not rows:
         raise ValueError("no SFT records to train on")

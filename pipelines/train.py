@@ -14,24 +14,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from . import loop, runtime, storage
 from .errors import ConfigError
+from .settings import one_line
 
 TRAINING_OPTIONS = ("lora", "lora_rank", "epochs", "learning_rate", "batch_size", "max_length",
-                    "seed", "log_every")
+                    "seed", "log_every", "trust_remote_code")
 
 
 def read_records(uris: list[str]) -> list[dict]:
     """The SFT records of every --sft (an output folder, its sft/, or files; local, s3://,
-    gs://), in order."""
-    from mist_core.finetune import read_sft
+    gs://), in order, each checked to be one (before any model loads)."""
+    from mist_core.finetune import read_sft, record_turns
 
     records = []
     for uri in uris:
@@ -40,9 +43,17 @@ def read_records(uris: list[str]) -> list[dict]:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         try:
-            records += read_sft(path, filesystem=fs)
-        except (ValueError, KeyError) as e:  # a file that is not SFT records
-            raise ConfigError(f"cannot read SFT records from {storage.redact(uri)}: {e}") from None
+            found = read_sft(path, filesystem=fs)
+        except (ValueError, KeyError) as e:  # a file that is not JSONL or parquet
+            raise ConfigError(one_line(f"cannot read SFT records from {storage.redact(uri)}: "
+                                       f"{e}")) from None
+        for i, rec in enumerate(found, 1):
+            try:
+                record_turns(rec)
+            except ValueError as e:  # say, a corpus given where its compression output goes
+                raise ConfigError(one_line(f"--sft {storage.redact(uri)}: record {i} is not "
+                                           f"an SFT record: {e}")) from None
+        records += found
     return records
 
 
@@ -66,7 +77,8 @@ def train_worker(config: dict) -> None:
             ray.train.report({})
 
 
-def train_distributed(args: argparse.Namespace, records: list[dict], options: dict) -> None:
+def train_distributed(args: argparse.Namespace, records: list[dict], options: dict,
+                      target: Path) -> None:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -90,12 +102,41 @@ def train_distributed(args: argparse.Namespace, records: list[dict], options: di
         result = trainer.fit()
         if result.checkpoint is None:
             raise RuntimeError("the Ray Train run reported no checkpoint")
-        out = Path(args.output)
-        out.mkdir(parents=True, exist_ok=True)
-        result.checkpoint.to_directory(str(out))
+        target.mkdir(parents=True, exist_ok=True)
+        result.checkpoint.to_directory(str(target))
     finally:
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def check_output(out: Path, overwrite: bool) -> None:
+    """--output must be a new or empty folder, or, with --overwrite, a model `mist train`
+    saved (its training.json): never a folder of other files, and never an earlier model
+    replaced unasked."""
+    from mist_core.finetune import REPORT
+
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output {out} is a file: give a folder")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if not (out / REPORT).exists():
+        raise ConfigError(f"--output {out} holds files that are not a model `mist train` "
+                          "saved: give an empty or new folder")
+    if not overwrite:
+        raise ConfigError(f"--output {out} holds a model `mist train` saved earlier: give "
+                          "--overwrite to replace it, or a new folder")
+
+
+def replace_folder(stage: Path, out: Path) -> None:
+    """The trained model in `stage` becomes `out`, the earlier model there (--overwrite)
+    removed only once the new one is in place: no file of the two is ever mixed."""
+    if out.exists() and any(out.iterdir()):
+        old = stage.with_name(stage.name + "-old")
+        os.replace(out, old)
+        os.replace(stage, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(stage, out)  # over an empty folder too
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,27 +144,34 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     out = Path(args.output)
-    if out.exists() and any(out.iterdir()) and not (out / REPORT).exists():
-        raise ConfigError(f"--output {out} holds files that are not a model `mist train` "
-                          "saved: give an empty or new folder")
+    check_output(out, args.overwrite)
     records = read_records(args.sft)
-    name = loop.check_model(args.model)
+    name = loop.check_model(args.model, args.trust_remote_code)
     options = {"lora": args.lora, "lora_rank": args.lora_rank, "epochs": args.epochs,
                "learning_rate": args.lr if args.lr is not None else (2e-4 if args.lora else 2e-5),
                "batch_size": args.batch_size, "max_length": args.max_length, "seed": args.seed,
-               "log_every": args.log_every}
+               "log_every": args.log_every, "trust_remote_code": args.trust_remote_code}
     print(f"fine-tuning {name} on {len(records)} SFT records "
           f"({'LoRA rank ' + str(args.lora_rank) if args.lora else 'full'}, "
           f"lr {options['learning_rate']:g}, {args.epochs:g} epochs)", flush=True)
-    if args.workers == 1:
-        finetune(args.model, records, out, **options)
-    else:
-        train_distributed(args, records, options)
-    report = json.loads((out / REPORT).read_text())
-    report.update(model={"spec": args.model, "name": name},
-                  sft=[storage.redact(u) for u in args.sft], workers=args.workers,
-                  total_s=round(time.perf_counter() - t0, 3))
-    (out / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+    # Trained beside --output, then moved there: a failed run leaves --output as it was.
+    target = out.resolve()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    stage = target.with_name(f".{target.name}.train-{uuid.uuid4().hex[:8]}")
+    stage.mkdir()  # the umask's mode, as a plain folder would have (mkdtemp's is 0700)
+    try:
+        if args.workers == 1:
+            finetune(args.model, records, stage, **options)
+        else:
+            train_distributed(args, records, options, stage)
+        report = json.loads((stage / REPORT).read_text())
+        report.update(model={"spec": args.model, "name": name},
+                      sft=[storage.redact(u) for u in args.sft], workers=args.workers,
+                      total_s=round(time.perf_counter() - t0, 3))
+        (stage / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+        replace_folder(stage, target)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     first = report["losses"][0]["loss"] if report["losses"] else float("nan")
     last = report["losses"][-1]["loss"] if report["losses"] else float("nan")
     print(f"trained {report['steps']} steps in {report['total_s']:.0f}s on {args.workers} "
@@ -142,7 +190,12 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="the model to fine-tune: hub id, local folder, .gguf file or "
                         "smollm2-135m-instruct (default)")
-    p.add_argument("--output", required=True, help="local folder for the trained model")
+    p.add_argument("--output", required=True,
+                   help="local folder for the trained model: new or empty, or with "
+                        "--overwrite a model `mist train` saved there earlier")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the model an earlier `mist train` saved in --output (once "
+                        "the new one is trained)")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters (merged when saved)")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--epochs", type=float, default=1.0)
@@ -163,6 +216,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                         "multi-machine cluster; default: a temporary local folder)")
     p.add_argument("--address", default=None,
                    help="Ray cluster for --workers N (default: $RAY_ADDRESS or a new local Ray)")
+    loop.add_trust_remote_code(p)
     return p
 
 

@@ -4,6 +4,7 @@ side refuses aliases (a `billion laughs` file would otherwise expand in the erro
 and anything but a bounded UTF-8 mapping."""
 from __future__ import annotations
 
+import json
 import math
 import tempfile
 from pathlib import Path
@@ -171,3 +172,97 @@ def test_property_any_config_file_is_settings_or_one_line(doc):
             load_yaml(str(path))
         except ConfigError as e:
             _one_line(e)
+
+
+# ------------------------------------------------------------------ mist train's settings
+
+def _mist(*argv) -> int:
+    from pipelines.cli import main
+
+    return main([str(a) for a in argv])
+
+
+def _sft_file(tmp_path) -> Path:
+    from mist_core.formats import sft_prompt_completion
+
+    path = tmp_path / "sft.jsonl"
+    path.write_text(json.dumps(sft_prompt_completion(
+        id="a", question="What is 2 + 2?", cot="2 + 2 = 4.", answer="4", budget=1.0)) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("line", [
+    {"question": "q", "cot": "c", "answer": "1"},  # a corpus, not its compression output
+    {"prompt": [{"role": "user"}], "completion": "x"},
+    {"prompt": ["hi"], "completion": "x"},
+    {"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]},
+    {"instruction": 5, "output": "x"},
+    [1, 2],
+    7,
+])
+def test_train_on_records_that_are_not_sft_is_one_line_before_the_model(tmp_path, capsys,
+                                                                        monkeypatch, line):
+    from pipelines import loop
+
+    def no_model(*a, **k):
+        raise AssertionError("the model loaded before the records were checked")
+
+    monkeypatch.setattr(loop, "check_model", no_model)
+    sft = _sft_file(tmp_path)
+    sft.write_text(sft.read_text() + json.dumps(line) + "\n")
+    assert _mist("train", "--sft", sft, "--output", tmp_path / "t") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "record 2" in err[0], err
+
+
+def test_train_refuses_an_earlier_model_unless_asked_to_overwrite(tmp_path, capsys, monkeypatch):
+    from mist_core import finetune as F
+    from pipelines import loop
+
+    trained = []
+
+    def fake_finetune(model, records, out, **options):  # what finetune leaves in its folder
+        out = Path(out)
+        (out / "model.safetensors").write_text(f"weights {len(trained)}")
+        (out / F.REPORT).write_text(json.dumps({"records": len(records), "steps": 1,
+                                                "train_loss": 0.5, "losses": []}))
+        trained.append(options["trust_remote_code"])
+        return out
+
+    monkeypatch.setattr(loop, "check_model", lambda model, trust=False: "m")
+    monkeypatch.setattr(F, "finetune", fake_finetune)
+    sft, out = _sft_file(tmp_path), tmp_path / "model"
+    assert _mist("train", "--sft", sft, "--output", out) == 0
+    assert (out / "model.safetensors").read_text() == "weights 0"
+    capsys.readouterr()
+    assert _mist("train", "--sft", sft, "--output", out) == 2
+    err = capsys.readouterr().err
+    assert "--overwrite" in err and err.count("\n") == 1
+    assert (out / "model.safetensors").read_text() == "weights 0" and len(trained) == 1
+    (out / "stale.bin").write_text("from the earlier model")
+    assert _mist("train", "--sft", sft, "--output", out, "--overwrite") == 0
+    assert (out / "model.safetensors").read_text() == "weights 1"
+    assert not (out / "stale.bin").exists()  # the earlier model replaced whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "sft.jsonl"]  # no staging
+    assert json.loads((out / F.REPORT).read_text())["workers"] == 1
+    assert trained == [False, False]
+
+
+def test_a_failed_training_leaves_the_earlier_model(tmp_path, monkeypatch):
+    from mist_core import finetune as F
+    from pipelines import loop
+
+    def broken(model, records, out, **options):
+        (Path(out) / "model.safetensors").write_text("half")
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(loop, "check_model", lambda model, trust=False: "m")
+    monkeypatch.setattr(F, "finetune", broken)
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "model.safetensors").write_text("earlier")
+    (out / F.REPORT).write_text("{}")
+    with pytest.raises(RuntimeError):
+        _mist("train", "--sft", _sft_file(tmp_path), "--output", out, "--overwrite")
+    assert (out / "model.safetensors").read_text() == "earlier"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "sft.jsonl"]

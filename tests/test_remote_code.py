@@ -1,0 +1,138 @@
+"""No model folder's Python runs without --trust-remote-code, in any command, whatever stdin
+says: every transformers load passes trust_remote_code (left unset, transformers asks 'Do
+you wish to run the custom code? [y/N]' and a `y`, or `yes |`, runs it), and each command
+refuses such a folder with one `error:` line naming the flag."""
+from __future__ import annotations
+
+import ast
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mist_core.formats import sft_prompt_completion
+from pipelines import loop, rows
+from pipelines.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+EVIL = """\
+import os, pathlib
+pathlib.Path(os.environ["MIST_TEST_MARKER"]).write_text("remote code ran")
+from transformers import LlamaConfig
+
+
+class EvilConfig(LlamaConfig):
+    model_type = "evilllama"
+"""
+
+
+@pytest.fixture
+def evil_model(tmp_path, tokenizer, monkeypatch):
+    """A model folder whose config is custom Python (auto_map) that leaves a marker file
+    when imported; the marker's path and the modules cache are in the environment, so that
+    a command run as a subprocess inherits them."""
+    from conftest import make_model
+
+    path = tmp_path / "evil-model"
+    make_model("llama", len(tokenizer), layers=1).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(model_type="evilllama", auto_map={"AutoConfig": "evil_config.EvilConfig"})
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "evil_config.py").write_text(EVIL)
+    marker = tmp_path / "marker"
+    monkeypatch.setenv("MIST_TEST_MARKER", str(marker))
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    rows.template_for.cache_clear()
+    yield path, marker
+    rows.template_for.cache_clear()
+
+
+def _loads_without_the_argument() -> list[str]:
+    """Every from_pretrained(...) call in the library and the pipelines that does not pass
+    trust_remote_code (an AST walk: calls split over lines count too)."""
+    missing = []
+    for d in ("mist_core", "pipelines"):
+        for p in sorted((REPO / d).rglob("*.py")):
+            for node in ast.walk(ast.parse(p.read_text(), str(p))):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == "from_pretrained"
+                        and not any(k.arg == "trust_remote_code" for k in node.keywords)):
+                    missing.append(f"{p.relative_to(REPO)}:{node.lineno}")
+    return missing
+
+
+def test_every_load_passes_trust_remote_code():
+    assert _loads_without_the_argument() == []
+
+
+def test_check_model_refuses_a_folder_with_code_even_after_a_yes(evil_model, monkeypatch):
+    path, marker = evil_model
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n" * 10))
+    with pytest.raises(ConfigError, match="--trust-remote-code") as e:
+        loop.check_model(str(path))
+    assert "\n" not in str(e.value) and not marker.exists()
+    with pytest.raises(ConfigError, match="--trust-remote-code"):
+        rows.template_for(str(path), "auto")
+    assert not marker.exists()
+    loop.check_model(str(path), trust_remote_code=True)  # the flag reaches transformers
+    assert marker.read_text() == "remote code ran"
+
+
+def test_the_actor_loader_passes_the_flag(monkeypatch):
+    import mist_core
+
+    seen = []
+    monkeypatch.setattr(mist_core, "load_model",
+                        lambda spec, **kw: seen.append(kw["trust_remote_code"]) or "lm")
+    assert loop.load_lm("m", "float32", "cpu", None) == "lm"
+    loop.load_lm("m", "float32", "cpu", None, trust_remote_code=True)
+    assert seen == [False, True]
+
+
+def test_the_loop_commands_take_the_flag():
+    from pipelines import generate, solve, train
+
+    for module, argv in ((generate, ["--input", "q", "--output", "o"]),
+                         (solve, ["--input", "q", "--output", "o"]),
+                         (train, ["--sft", "s", "--output", "o"])):
+        assert module.parse_args(argv, "p").trust_remote_code is False
+        assert module.parse_args(argv + ["--trust-remote-code"], "p").trust_remote_code is True
+
+
+def _commands(tmp_path: Path, model: Path) -> dict[str, list[str]]:
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"id": "a", "question": "What is 2 + 2?", "answer": "4"}) + "\n")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"id": "a", "question": "What is 2 + 2?", "cot": "2 + 2 = 4.",
+                                  "answer": "4"}) + "\n")
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text(json.dumps(sft_prompt_completion(id="a", question="What is 2 + 2?",
+                                                    cot="2 + 2 = 4.", answer="4", budget=1.0)) + "\n")
+    return {
+        "solve": ["--input", str(questions), "--output", str(tmp_path / "solve")],
+        "generate": ["--input", str(questions), "--output", str(tmp_path / "gen")],
+        "train": ["--sft", str(sft), "--output", str(tmp_path / "trained")],
+        "compress": ["--input", str(corpus), "--output", str(tmp_path / "comp")],
+    }
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("command", ["solve", "generate", "train", "compress"])
+def test_each_command_refuses_a_folder_with_code_whatever_stdin_says(evil_model, tmp_path,
+                                                                      command):
+    path, marker = evil_model
+    argv = _commands(tmp_path, path)[command] + ["--model", str(path)]
+    env = {**os.environ, "RAY_ADDRESS": "", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "pipelines.cli", command, *argv], cwd=tmp_path,
+                          input="y\n" * 50, capture_output=True, text=True, timeout=240, env=env)
+    assert not marker.exists(), done.stderr[-2000:]
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "--trust-remote-code" in last, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "[y/N]" not in done.stdout + done.stderr
