@@ -43,12 +43,18 @@ from .errors import ConfigError, run_main
 
 log = logging.getLogger("pipelines.testbed")
 
-METHODS = ("mist", "necessity", "sufficiency", "h2o", "perplexity", "gogi_l1", "uniform", "tail",
-           "mist_clipped")
+METHODS = ("mist", "necessity", "sufficiency", "h2o", "crisp", "perplexity", "gogi_l1", "uniform",
+           "tail", "head", "mist_clipped", "oracle")
+# Not scorers: `head` keeps the first tokens (truncation), `tail` the last; `oracle` keeps the
+# generator's ground truth (operands, operators, results) and the equations' `=` first, then
+# random tokens up to ⌈γT⌉: the ceiling for any scorer.
+POSITIONAL = ("head", "tail")
 # Variants beyond the paper (issue: keep one only where it wins here and on the GSM8K/MATH
 # proxies): name -> (scorer, its options).
 VARIANTS = {"mist_clipped": ("mist", {"layer_weights": "clipped"})}
-CONTROLS = ("full_chain", "no_chain")
+CONTROLS = ("full_chain", "no_chain", "shortest_of_k")
+# The arm of the project's default method (MistScorer's and `mist compress`'s defaults).
+DEFAULT_ARM = "mist"
 TRAIN_BUDGETS = (0.5, 0.7)  # the pruned budgets of the mixture; 1.0 (the full chain) joins them
 EVAL_BUDGETS = (0.5, 0.7, 1.0)
 STYLE = "gsm8k"  # numeric answers: answers.answer_correct compares numbers
@@ -72,6 +78,11 @@ class Sizes:
     target_lr: float = 3e-3  # from scratch: a tiny model takes a large step
     ft_epochs: float = 2.0
     ft_lr: float = 1e-3
+    # The fine-tuning mixture (formats.sft_records): "sample", one γ per chain drawn by its
+    # id; "all", every chain at every γ (three times the records).
+    mix: str = "sample"
+    unit: str = "token"  # the pruning unit (mist_core.prune.UNITS)
+    shortest_k: int = 4  # samples per Phase 0 question for the shortest-of-k control
     batch_size: int = 16
     temperature: float = 0.7  # Phase 0 sampling
     max_new_tokens: int = 160  # the longest generator chain plus answer is about 110 tokens
@@ -81,7 +92,7 @@ class Sizes:
 FULL = Sizes()
 # Two-step problems, so that a target trained for a couple of minutes answers some right.
 SMOKE = Sizes(n_steps=(2, 2), shared_target=False, target_train=6000, phase0=300, test=100,
-              target_epochs=2.0)
+              target_epochs=2.0, shortest_k=2)
 
 
 # ---------------------------------------------------------------- one seed
@@ -118,15 +129,15 @@ def train_target(tok, problems, sizes: Sizes, seed: int, path: Path):
     return load_model(str(path))
 
 
-def phase0(lm, problems, sizes: Sizes, seed: int, path: Path) -> list[dict]:
-    """The target's own chains for the Phase 0 questions (one sample each), with the
+def phase0(lm, problems, sizes: Sizes, seed: int, path: Path, k: int = 1) -> list[dict]:
+    """The target's own chains for the Phase 0 questions (k samples each), with the
     problem's steps carried along for labelling."""
     from mist_core.generation import sample_chains
 
     if path.is_file():
         return json.loads(path.read_text())
     by_id = {p.id: p for p in problems}
-    samples = sample_chains(lm, _rows(problems), k=1, style=STYLE, temperature=sizes.temperature,
+    samples = sample_chains(lm, _rows(problems), k=k, style=STYLE, temperature=sizes.temperature,
                             max_new_tokens=sizes.max_new_tokens, seed=seed,
                             batch_size=sizes.gen_batch)
     for s in samples:
@@ -135,7 +146,22 @@ def phase0(lm, problems, sizes: Sizes, seed: int, path: Path) -> list[dict]:
     return samples
 
 
-def score_and_prune(lm, chains: list[dict], methods, seed: int) -> tuple[dict, dict]:
+def shortest_of_k(lm, problems, chains: list[dict], sizes: Sizes, seed: int, path: Path) -> dict:
+    """{question id: its shortest correct chain} over the Phase 0 sample and k − 1 more
+    samples of each corpus question (the usual length baseline: the target fine-tuned on
+    its own shortest correct answers)."""
+    corpus = {c["source_id"] for c in chains}
+    more = phase0(lm, [p for p in problems if p.id in corpus], sizes, seed + 1, path,
+                  k=sizes.shortest_k - 1) if sizes.shortest_k > 1 else []
+    best = {}
+    for s in list(chains) + [s for s in more if s["correct"] and s["finished"]]:
+        if s["source_id"] not in best or s["tokens"] < best[s["source_id"]]["tokens"]:
+            best[s["source_id"]] = s
+    return {q: s["cot"] for q, s in best.items()}
+
+
+def score_and_prune(lm, chains: list[dict], methods, seed: int, unit: str = "token"
+                    ) -> tuple[dict, dict]:
     """Every method's compressed chains ({method: {chain id: {γ: text}}}) and what they
     keep against the ground truth ({method: {γ: {precision, recall, n}}}: means over the
     chains whose every step the labeller found)."""
@@ -163,9 +189,13 @@ def score_and_prune(lm, chains: list[dict], methods, seed: int) -> tuple[dict, d
     compressed, kept_stats, timings = {}, {}, {}
     for method in methods:
         t0 = time.time()
-        if method == "tail":  # the positional control: keep the chain's last tokens
-            scored = [ScoredChain.from_encoded(e, "tail", positional_scores(e.chain_len, "tail"))
+        if method in POSITIONAL:  # keep the chain's first (head) or last (tail) tokens
+            scored = [ScoredChain.from_encoded(e, method, positional_scores(e.chain_len, method))
                       for e in encoded]
+        elif method == "oracle":  # ground truth 2, `=` 1, the rest a random fill below both
+            rng = np.random.default_rng(seed)
+            scored = [ScoredChain.from_encoded(e, method, 2.0 * n + q + 0.5 * rng.random(e.chain_len))
+                      for e, n, q in zip(encoded, needed, equals)]
         else:
             name, kwargs = VARIANTS.get(method, (method, {}))
             if method == "uniform":
@@ -179,7 +209,7 @@ def score_and_prune(lm, chains: list[dict], methods, seed: int) -> tuple[dict, d
             if isinstance(sc, InvalidExample):  # not trained on: every method loses the same
                 log.warning("%s: chain %s not scored: %s", method, enc.example.id, sc)
                 continue
-            kept = prune(enc.example, sc, budgets=TRAIN_BUDGETS)
+            kept = prune(enc.example, sc, budgets=TRAIN_BUDGETS, unit=unit)
             out[enc.example.id] = {c.budget: c.text for c in kept}
             if ok:
                 for c in kept:
@@ -199,8 +229,10 @@ def score_and_prune(lm, chains: list[dict], methods, seed: int) -> tuple[dict, d
     return compressed, kept_stats
 
 
-def arm_records(arm: str, chains: list[dict], compressed: dict | None, seed: int) -> list[dict]:
-    """The SFT records of one arm: a method's mixture, or a control."""
+def arm_records(arm: str, chains: list[dict], compressed: dict | None, seed: int,
+                mix: str = "sample", shortest: dict | None = None) -> list[dict]:
+    """The SFT records of one arm: a method's mixture, or a control. `shortest`: each
+    question's shortest correct chain of k samples (the shortest_of_k control)."""
     from mist_core.formats import sft_prompt_completion, sft_records
     from mist_core.templates import ANSWER_LEAD
 
@@ -209,6 +241,9 @@ def arm_records(arm: str, chains: list[dict], compressed: dict | None, seed: int
         common = dict(id=c["id"], question=c["question"], cot=c["cot"], answer=c["answer"])
         if arm == "full_chain":
             out += sft_records(**common, compressed={}, mix="sample", seed=seed)
+        elif arm == "shortest_of_k":
+            out.append(sft_prompt_completion(**{**common, "cot": shortest[c["source_id"]]},
+                                             budget=1.0))
         elif arm == "no_chain":  # the answer line alone: the chain's end of the range
             rec = sft_prompt_completion(**common, budget=1.0)
             rec["completion"][0]["content"] = f"{ANSWER_LEAD}{c['answer']}"
@@ -216,7 +251,7 @@ def arm_records(arm: str, chains: list[dict], compressed: dict | None, seed: int
         elif c["id"] in compressed:
             # One γ per chain, drawn by its id: every method trains on the same γ for the
             # same chain, so methods differ only in which tokens they keep.
-            out += sft_records(**common, compressed=compressed[c["id"]], mix="sample", seed=seed)
+            out += sft_records(**common, compressed=compressed[c["id"]], mix=mix, seed=seed)
     return out
 
 
@@ -258,7 +293,8 @@ def run_seed(seed: int, sizes: Sizes, methods, work: Path, tok) -> dict:
     state_path = root / "results.json"
     state = json.loads(state_path.read_text()) if state_path.is_file() else {}
     settings = json.loads(json.dumps(asdict(sizes)))
-    if state.get("sizes") not in (None, settings):
+    stored = state.get("sizes")  # a field it lacks was added since, at its default
+    if stored is not None and {**json.loads(json.dumps(asdict(Sizes()))), **stored} != settings:
         raise ConfigError(f"{root} holds a run with other sizes; use another --work")
     state["sizes"] = settings
     # Disjoint sets: the target never trained on a Phase 0 or test question.
@@ -288,7 +324,8 @@ def run_seed(seed: int, sizes: Sizes, methods, work: Path, tok) -> dict:
     state["phase0"] = {"sampled": len(samples), "kept": len(chains)}
     if not chains:
         raise SystemExit(f"seed {seed}: the target got no Phase 0 question right")
-    compressed, kept = score_and_prune(target, chains, [m for m in methods], seed)
+    compressed, kept = score_and_prune(target, chains, [m for m in methods], seed, sizes.unit)
+    shortest = shortest_of_k(target, pool, chains, sizes, seed, root / "phase0_k.json")
     state["kept"] = kept
     _save_json(state_path, state)
 
@@ -296,7 +333,7 @@ def run_seed(seed: int, sizes: Sizes, methods, work: Path, tok) -> dict:
     for arm in list(CONTROLS) + list(methods):
         if arm in arms:
             continue
-        records = arm_records(arm, chains, compressed.get(arm), seed)
+        records = arm_records(arm, chains, compressed.get(arm), seed, sizes.mix, shortest)
         arms[arm] = run_arm(arm, target_dir, records, test_rows, sizes, seed, root / arm)
         _save_json(state_path, state)
         acc = {g: round(v["accuracy"], 3) for g, v in arms[arm]["budgets"].items()}
@@ -354,6 +391,66 @@ def paired(seeds: dict[int, dict], a: str, b: str, g: float, key: str) -> tuple[
     return t_interval(diffs)
 
 
+def line_margin(seed: dict, arm: str, g: float) -> float | None:
+    """Accuracy above the straight line from the no-chain control (0 tokens) to the
+    full-chain control, at the chain tokens the arm's model writes under γ."""
+    arms = seed.get("arms", {})
+    if arm not in arms or not {"full_chain", "no_chain"} <= set(arms):
+        return None
+    full, none = arms["full_chain"]["budgets"]["1.0"], arms["no_chain"]["budgets"]["1.0"]
+    got = arms[arm]["budgets"][str(g)]
+    share = got["chain_tokens"] / full["chain_tokens"] if full["chain_tokens"] else 1.0
+    return got["accuracy"] - (none["accuracy"] + (full["accuracy"] - none["accuracy"]) * share)
+
+
+def ahead(mi) -> str:
+    """'ahead' / 'behind' where the 95% interval excludes 0, else 'tie'."""
+    m, h = mi
+    if math.isnan(m) or math.isnan(h):
+        return "—"
+    return "ahead" if m - h > 0 else "behind" if m + h < 0 else "tie"
+
+
+def plot(seeds: dict[int, dict], methods, path: Path) -> None:
+    """Accuracy against the chain tokens the models write, every arm and γ (means over
+    seeds), with the no-chain–full-chain line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = {(r["arm"], r["budget"]): r for r in aggregate(seeds, methods)}
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    ends = [rows.get(("no_chain", 1.0)), rows.get(("full_chain", 1.0))]
+    if all(ends):
+        ax.plot([e["chain_tokens"][0] for e in ends], [100 * e["accuracy"][0] for e in ends],
+                "k--", lw=1, label="no chain – full chain")
+    for arm in list(methods) + [c for c in CONTROLS if c not in ("full_chain", "no_chain")]:
+        pts = [(g, rows[(arm, g)]) for g in EVAL_BUDGETS if (arm, g) in rows]
+        if not pts:
+            continue
+        x = [r["chain_tokens"][0] for _, r in pts]
+        y = [100 * r["accuracy"][0] for _, r in pts]
+        style = dict(lw=2.5, zorder=3) if arm == DEFAULT_ARM else dict(lw=1, alpha=0.8)
+        ax.plot(x, y, "o-", label=arm + (" (default)" if arm == DEFAULT_ARM else ""), **style)
+        for (g, _), xi, yi in zip(pts, x, y):
+            ax.annotate(f"{g:g}", (xi, yi), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    for e, name in zip(ends, ("no chain", "full chain")):
+        if e:
+            ax.plot(e["chain_tokens"][0], 100 * e["accuracy"][0], "ks")
+            ax.annotate(name, (e["chain_tokens"][0], 100 * e["accuracy"][0]), fontsize=8,
+                        xytext=(4, -10), textcoords="offset points")
+    ax.set_xlabel("chain tokens the fine-tuned model writes (mean over seeds)")
+    ax.set_ylabel("test accuracy %")
+    ax.set_title(f"Downstream testbed, {len(seeds)} seed{'s' if len(seeds) != 1 else ''}; "
+                 "labels: the γ asked for")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _fmt(mi, scale=1.0, digits=1) -> str:
     m, h = mi
     if math.isnan(m):
@@ -401,10 +498,15 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
         f"({_fmt(t_interval([s['phase0']['kept'] for s in seeds.values()]), 1, 0)}) are the "
         "corpus every method compresses.",
         f"- Phase 2: a copy of the target fine-tuned ({sizes.ft_epochs:g} epochs, lr "
-        f"{sizes.ft_lr:g}, batch {sizes.batch_size}) on each method's mixture: one γ per chain "
-        "from {0.5, 0.7, 1.0}, drawn by the chain's id (the same for every method), the "
-        "directive in the prompt below 1.0. Controls: `full_chain` (every chain whole, no "
-        "directive) and `no_chain` (the answer line alone).",
+        f"{sizes.ft_lr:g}, batch {sizes.batch_size}) on each method's mixture: "
+        + ("one γ per chain from {0.5, 0.7, 1.0}, drawn by the chain's id (the same for every "
+           "method)" if sizes.mix == "sample" else "every chain at each γ of {0.5, 0.7, 1.0}")
+        + f", pruned by {sizes.unit}, the directive in the prompt below 1.0. Controls: "
+        "`full_chain` (every chain whole, no directive), `no_chain` (the answer line alone) "
+        f"and `shortest_of_k` (each question's shortest correct chain of {sizes.shortest_k} "
+        "samples by the target). `head` keeps the first ⌈γT⌉ tokens (truncation), `tail` the "
+        "last; `uniform` a random ⌈γT⌉; `oracle` the ground truth and the `=` signs, filled "
+        "to ⌈γT⌉ with random tokens.",
         f"- Phase 3: greedy answers on {sizes.test} new test questions under each γ (the "
         "controls under 1.0). *Chain tokens*: tokens the model writes before `The answer is`.",
         "- *Precision / recall*: of the chain tokens a method keeps at γ in the Phase 0 corpus "
@@ -429,6 +531,32 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
         for g in EVAL_BUDGETS:
             lines.append(f"| {g:g} | {_fmt(paired(seeds, 'mist', 'h2o', g, 'accuracy'), 100)} | "
                          f"{_fmt(paired(seeds, 'mist', 'h2o', g, 'chain_tokens'))} |")
+    if DEFAULT_ARM in methods:
+        others = [a for a in list(methods) + list(CONTROLS) if a not in (DEFAULT_ARM, "no_chain")]
+        lines += ["", f"### The default ({DEFAULT_ARM}) against every other arm, paired by seed",
+                  "", "Accuracy points of the default arm under γ minus the other arm's under the "
+                  "same γ (a control under 1.0); *ahead* where the 95% interval lies above 0.", "",
+                  "| other arm | γ = 0.5 | | γ = 0.7 | |", "|---|---|---|---|---|"]
+        for other in others:
+            cells = []
+            for g in TRAIN_BUDGETS:
+                diffs = [s["arms"][DEFAULT_ARM]["budgets"][str(g)]["accuracy"]
+                         - s["arms"][other]["budgets"][str(g if other not in CONTROLS else 1.0)]["accuracy"]
+                         for s in seeds.values() if {DEFAULT_ARM, other} <= set(s.get("arms", {}))]
+                mi = t_interval(diffs)
+                cells += [_fmt(mi, 100), ahead(mi)]
+            lines.append(f"| {other} | " + " | ".join(cells) + " |")
+    lines += ["", "### Above the no-chain–full-chain line?", "",
+              "Accuracy points above the straight line from the no-chain control to the "
+              "full-chain control, at the chain tokens the arm's model writes (per seed, then "
+              "mean ± 95% interval).", "", "| arm | γ | points above the line | |", "|---|---|---|---|"]
+    for arm in list(methods) + [c for c in CONTROLS if c not in ("full_chain", "no_chain")]:
+        for g in (EVAL_BUDGETS if arm not in CONTROLS else (1.0,)):
+            margins = [m for m in (line_margin(sd, arm, g) for sd in seeds.values()) if m is not None]
+            if margins:
+                mi = t_interval(margins)
+                lines.append(f"| {arm} | {g:g} | {_fmt(mi, 100)} | {ahead(mi)} |")
+    lines += ["", "![accuracy against chain tokens](downstream.png)"]
     for variant, (base, _) in VARIANTS.items():
         if variant in methods and base in methods:
             lines += ["", f"### {variant} − {base}, paired by seed", "",
@@ -463,6 +591,13 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                    help=f"comma-separated (default: all of {','.join(METHODS)})")
     p.add_argument("--target-per-seed", action="store_true",
                    help="train a target per seed instead of one for all seeds (+12 min a seed)")
+    p.add_argument("--mix", choices=("sample", "all"), default=None,
+                   help="the fine-tuning mixture: one γ per chain (sample, the default) or "
+                        "every chain at every γ (all)")
+    p.add_argument("--ft-epochs", type=float, default=None,
+                   help=f"fine-tuning epochs (default {FULL.ft_epochs:g})")
+    p.add_argument("--unit", default=None, choices=("token", "word", "equation"),
+                   help="the pruning unit (default token; numbers are one token here)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     return p
 
@@ -488,6 +623,9 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
     sizes = SMOKE if args.smoke else FULL
     if args.target_per_seed:
         sizes = replace(sizes, shared_target=False)
+    recipe = {k: v for k, v in (("mix", args.mix), ("ft_epochs", args.ft_epochs),
+                                ("unit", args.unit)) if v is not None}
+    sizes = replace(sizes, **recipe)
     methods = (args.methods.split(",") if args.methods else
                ["mist", "h2o"] if args.smoke else list(METHODS))
     unknown = set(methods) - set(METHODS)
@@ -506,10 +644,12 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
         results[seed] = run_seed(seed, sizes, methods, work, tok)
         # run_seconds: this invocation's wall time (a resumed run skips what is stored)
         _save_json(out / "testbed.json", {"command": command, "sizes": asdict(sizes),
+                                          "default_arm": DEFAULT_ARM,
                                           "methods": methods, "seeds": results,
                                           "run_seconds": round(time.time() - t0, 1)})
     md = out / "downstream.md"
     md.write_text(render(results, methods, sizes, command, existing_reading(md)))
+    plot(results, methods, out / "downstream.png")
     log.info("done in %.0f s: %s, %s", time.time() - t0, out / "testbed.json", md)
     return 0
 

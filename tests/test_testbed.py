@@ -172,6 +172,35 @@ def test_t_interval_and_render(tmp_path):
     assert existing_reading(path).strip() == "Kept text." and md.count(READING) == 1
 
 
+def test_the_default_arm_against_the_others_and_the_line(tmp_path):
+    from pipelines.testbed import DEFAULT_ARM, line_margin, plot, render, Sizes
+
+    def arm(acc, tokens):
+        return {"budgets": {g: {"accuracy": acc + d, "chain_tokens": tokens}
+                            for g, d in (("0.5", 0.0), ("0.7", 0.01), ("1.0", 0.02))}}
+
+    def ctl(acc, tokens):
+        return {"budgets": {"1.0": {"accuracy": acc, "chain_tokens": tokens}}}
+
+    kept = {g: {"precision": 0.4, "recall": 0.8, "n": 5} for g in ("0.5", "0.7")}
+    seeds = {i: {"target": {"accuracy": 0.7}, "phase0": {"kept": 5},
+                 "kept": {DEFAULT_ARM: kept, "h2o": kept, "_chains": {"needed_share": 0.2, "tokens": 40.0}},
+                 "arms": {DEFAULT_ARM: arm(0.60 + 0.01 * i, 20.0), "h2o": arm(0.40 + 0.02 * i, 20.0),
+                          "full_chain": ctl(0.8, 40.0), "no_chain": ctl(0.1, 0.0),
+                          "shortest_of_k": ctl(0.62 - 0.03 * i, 30.0)}} for i in range(4)}
+    # the line at 20 of 40 tokens: 0.1 + 0.7 / 2 = 0.45
+    assert line_margin(seeds[0], DEFAULT_ARM, 0.5) == pytest.approx(0.15)
+    assert line_margin(seeds[0], "h2o", 0.5) == pytest.approx(-0.05)
+    md = render(seeds, [DEFAULT_ARM, "h2o"], Sizes(), "python -m pipelines.testbed", "")
+    assert "| h2o | 18.5 ± 2.1 | ahead | 18.5 ± 2.1 | ahead |" in md  # 0.20 − 0.01·i, t(3) = 3.182
+    assert "| full_chain | -18.5 ± 2.1 | behind |" in md
+    assert "| shortest_of_k | 4.0 ± 8.2 | tie |" in md  # −0.02 + 0.04·i: the interval spans 0
+    assert f"| {DEFAULT_ARM} | 0.5 | 16.5 ± 2.1 | ahead |" in md
+    assert "| h2o | 0.5 | -2.0 ± 4.1 | tie |" in md
+    plot(seeds, [DEFAULT_ARM, "h2o"], tmp_path / "downstream.png")
+    assert (tmp_path / "downstream.png").read_bytes()[:4] == b"\x89PNG"
+
+
 @pytest.mark.integration
 def test_smoke_run_has_signal(tmp_path):
     """The whole loop at smoke size: a target trained from scratch, its own chains scored
