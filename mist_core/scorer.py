@@ -299,6 +299,9 @@ def combine(necessity: np.ndarray | None, sufficiency: np.ndarray | None,
 
 
 LAYER_WEIGHTS = ("signed", "clipped")
+# Necessity's baseline state: zero (Eq. 4, the paper: h_i erased) or the chain's mean state
+# at that layer (h_i replaced by what a typical chain token carries there).
+ABLATIONS = ("zero", "mean")
 
 
 def eq7(per_layer, cbar, layer_weights: str = "signed"):
@@ -324,15 +327,20 @@ class MistScorer(BackpropScorer):
     layer_weights: how Eq. 7 weighs the layers: "signed" (the paper: c̄_l as Eq. 6 gives
     it, so a layer whose logit-lens contribution falls counts against a token) or "clipped"
     (max(c̄_l, 0): such a layer counts for nothing), a variant the downstream testbed tries
-    (docs/results/downstream.md). `layer_weights` on the result is always Eq. 6's c̄."""
+    (docs/results/downstream.md). `layer_weights` on the result is always Eq. 6's c̄.
+    ablation: necessity's baseline, "zero" (Eq. 4, the paper) or "mean" (the chain's mean
+    state at the layer: ⟨∇h_i, h_i − h̄⟩), a variant the testbed tries."""
 
     method = "mist"
 
     def __init__(self, lm: LM, alpha: float = 0.6, axes: Sequence[str] = AXES,
                  layers: Sequence[int] | None = None, share_prefix: bool | None = None,
-                 layer_weights: str = "signed", **kwargs):
+                 layer_weights: str = "signed", ablation: str = "zero", **kwargs):
         super().__init__(lm, **kwargs)
         self.share_prefix = share_prefix
+        if ablation not in ABLATIONS:
+            raise ValueError(f"ablation must be one of {ABLATIONS}, not {ablation!r}")
+        self.ablation = ablation
         if layer_weights not in LAYER_WEIGHTS:
             raise ValueError(f"layer_weights must be one of {LAYER_WEIGHTS}, not {layer_weights!r}")
         self.layer_weights = layer_weights
@@ -438,8 +446,19 @@ class MistScorer(BackpropScorer):
                 i = sel[l]
                 psi[i] = torch.einsum("bsd,bd->bs", h, g_f[:, i]) - gh_f[:, i, None]  # Eq. 5
 
+        if self.ablation == "mean":  # each row's chain positions, to average h over
+            pos = torch.arange(ids.shape[1], device=lm.device)
+            starts = torch.tensor([e.chain_start - n for e, n in zip(batch, k)], device=lm.device)
+            chain = (pos >= starts[:, None]) & (pos < starts[:, None] + torch.tensor(
+                [e.chain_len for e in batch], device=lm.device)[:, None])
+            chain = chain / chain.sum(1, keepdim=True)  # [B, S], rows sum to 1
+
         def on_grad(l, g, h):
-            phi[sel[l]] = (wide(g) * wide(h)).sum(-1)  # Eq. 4
+            g, h = wide(g), wide(h)
+            phi[sel[l]] = (g * h).sum(-1)  # Eq. 4
+            if self.ablation == "mean":  # ⟨∇h_i, h_i − h̄⟩, h̄ the chain's mean state
+                hbar = torch.einsum("bs,bsd->bd", chain.to(h.dtype), h)
+                phi[sel[l]] = phi[sel[l]] - torch.einsum("bsd,bd->bs", g, hbar)
 
         ll_src = residual_pass(lm, ids, spans, grad_layers=self.layers if nec else (),
                                plan=plan, on_state=on_state, on_grad=on_grad,

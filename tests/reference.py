@@ -25,7 +25,7 @@ def _answer_ll(model, ids, start, stop, deltas=None):
     return ll, out.hidden_states
 
 
-def first_order(lm, enc, alpha=0.6):
+def first_order(lm, enc, alpha=0.6, ablation="zero"):
     model = lm.model
     L = len(model.model.layers)
     d = model.config.hidden_size
@@ -68,8 +68,9 @@ def first_order(lm, enc, alpha=0.6):
     cbar = np.zeros(L)
     for l in range(1, L + 1):
         cbar[l - 1] = np.mean([float((h[l][t] - h[l - 1][t]) @ w) for t in range(cs, ce)])
+        base = h[l][cs:ce].mean(0) if ablation == "mean" else torch.zeros_like(h[l][0])
         for i, t in enumerate(range(cs, ce)):
-            phi[l - 1, i] = float(g_src[l - 1][t] @ h[l][t])
+            phi[l - 1, i] = float(g_src[l - 1][t] @ (h[l][t] - base))
             psi[l - 1, i] = float(g_tgt[l - 1][f] @ (h[l][t] - h_t_f[l - 1]))
     nec = (cbar[:, None] * np.abs(phi)).sum(0)
     suf = (cbar[:, None] * np.abs(psi)).sum(0)

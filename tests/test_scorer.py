@@ -41,6 +41,23 @@ def test_alpha_weights_the_axes(tiny_lm64, examples):
     np.testing.assert_allclose(nec.scores.std(), 1, atol=1e-9)
 
 
+@pytest.mark.parametrize("share_prefix", [True, False])
+def test_mean_ablation_equals_plain_autograd_fp64(tiny_lm64, examples, share_prefix):
+    """ablation="mean" (a variant): necessity's baseline is the chain's mean state at each
+    layer, ⟨∇h_i, h_i − h̄⟩; one batch of chains of different lengths, with and without the
+    prefix cache."""
+    scorer = MistScorer(tiny_lm64, ablation="mean", share_prefix=share_prefix)
+    zero = MistScorer(tiny_lm64, share_prefix=share_prefix).score(examples)
+    for ex, got, paper in zip(examples, scorer.score(examples), zero):
+        ref = first_order(tiny_lm64, scorer.encode(ex), ablation="mean")
+        for name in ["necessity_per_layer", "necessity", "sufficiency", "scores"]:
+            np.testing.assert_allclose(getattr(got, name), ref[name], rtol=1e-5, atol=1e-9,
+                                       err_msg=name)
+        assert np.abs(got.necessity_per_layer - paper.necessity_per_layer).max() > 1e-4
+    with pytest.raises(ValueError, match="ablation"):
+        MistScorer(tiny_lm64, ablation="median")
+
+
 def test_clipped_layer_weights_drop_the_layers_that_count_against(tiny_lm64, examples):
     """layer_weights="clipped" (a variant): Eq. 7 with max(c̄_l, 0), from the plain-autograd
     reference's per-layer terms; the reported c̄ and per-layer terms are the paper's."""
