@@ -30,7 +30,9 @@ INPUT = {
         "invalid_utf8": "the line is not valid UTF-8",
         "invalid_json": "the line is not valid JSON, or is nested too deeply",
         "not_an_object": "the line is JSON but not an object",
-        "lone_surrogate": "a text holds a lone UTF-16 surrogate, which Arrow cannot write"}),
+        "lone_surrogate": "a text holds a lone UTF-16 surrogate, which Arrow cannot write",
+        "column_collision": "two extra columns would pass through under one name (budget is "
+                            "written as input_budget, and the row has that column too)"}),
     # a row's fields, as the adapter reads them
     **_declare(ADAPTERS, {
         "missing_column": "none of the columns the adapter reads for a field is in the row",

@@ -74,10 +74,24 @@ def parse_examples(raw: bytes, adapter: str, columns: dict,
     examples = found if isinstance(found, list) else [found]
     if not examples:  # an adapter rejects a row with its reason instead
         raise RuntimeError(f"adapter {adapter} gave no example and no reason")
-    skip = consumed_columns(adapter, columns)
-    extras = {extra_name(k): v for k, v in obj.items()
-              if k not in skip and not k.startswith("__index_level_")}
-    return examples, extras
+    return examples, _extras(obj, consumed_columns(adapter, columns))
+
+
+def _extras(obj: dict, skip: set) -> dict:
+    """The row's columns the adapter does not read, under their output names. Two columns
+    that would get one name (`budget`, prefixed to `input_budget`, beside an `input_budget`)
+    reject the row, naming both: one value would otherwise overwrite the other."""
+    extras, origin = {}, {}
+    for k, v in obj.items():
+        if k in skip or k.startswith("__index_level_"):
+            continue
+        name = extra_name(k)
+        if name in origin:
+            raise InvalidExample("column_collision", f"columns {origin[name][:80]!r} and "
+                                 f"{k[:80]!r} would both pass through as {name[:80]!r}")
+        origin[name] = k
+        extras[name] = v
+    return extras
 
 
 def _check_surrogates(obj: dict) -> None:
