@@ -44,14 +44,27 @@ from .errors import ConfigError, run_main
 log = logging.getLogger("pipelines.testbed")
 
 METHODS = ("mist", "necessity", "sufficiency", "h2o", "crisp", "perplexity", "gogi_l1", "uniform",
-           "tail", "head", "mist_clipped", "oracle")
+           "tail", "head", "mist_clipped", "mist_mean", "mist_equation", "mist_alpha", "hybrid",
+           "oracle")
 # Not scorers: `head` keeps the first tokens (truncation), `tail` the last; `oracle` keeps the
 # generator's ground truth (operands, operators, results) and the equations' `=` first, then
 # random tokens up to ⌈γT⌉: the ceiling for any scorer.
 POSITIONAL = ("head", "tail")
 # Variants beyond the paper (issue: keep one only where it wins here and on the GSM8K/MATH
 # proxies): name -> (scorer, its options).
-VARIANTS = {"mist_clipped": ("mist", {"layer_weights": "clipped"})}
+VARIANTS = {"mist_clipped": ("mist", {"layer_weights": "clipped"}),
+            # clipped weights and necessity against the chain's mean state
+            "mist_mean": ("mist", {"layer_weights": "clipped", "ablation": "mean"}),
+            # clipped weights, pruned by equations (UNIT_OF)
+            "mist_equation": ("mist", {"layer_weights": "clipped"}),
+            # clipped weights, α chosen on a validation slice by Eq. 1 (ALPHAS)
+            "mist_alpha": ("mist", {"layer_weights": "clipped"})}
+UNIT_OF = {"mist_equation": "equation"}
+ALPHAS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+ALPHA_SLICE = 60  # Phase 0 chains α is chosen on
+# hybrid: 0.5·z(mist_clipped) + 0.5·z(log h2o), MIST with the attention signal that keeps
+# intermediate results better
+HYBRID = ("mist_clipped", "h2o", 0.5)
 CONTROLS = ("full_chain", "no_chain", "shortest_of_k")
 # The arm of the project's default method (MistScorer's and `mist compress`'s defaults).
 DEFAULT_ARM = "mist"
@@ -186,22 +199,10 @@ def score_and_prune(lm, chains: list[dict], methods, seed: int, unit: str = "tok
         # The equations' `=` signs are not in the ground truth (they carry no quantity) but
         # hold the chain's structure; what each method keeps of them is reported beside it.
         equals.append(np.array([c["cot"][a:b].strip() == "=" for a, b in enc.chain_offsets]))
-    compressed, kept_stats, timings = {}, {}, {}
+    compressed, kept_stats, timings, cache = {}, {}, {}, {"unit": unit}
     for method in methods:
         t0 = time.time()
-        if method in POSITIONAL:  # keep the chain's first (head) or last (tail) tokens
-            scored = [ScoredChain.from_encoded(e, method, positional_scores(e.chain_len, method))
-                      for e in encoded]
-        elif method == "oracle":  # ground truth 2, `=` 1, the rest a random fill below both
-            rng = np.random.default_rng(seed)
-            scored = [ScoredChain.from_encoded(e, method, 2.0 * n + q + 0.5 * rng.random(e.chain_len))
-                      for e, n, q in zip(encoded, needed, equals)]
-        else:
-            name, kwargs = VARIANTS.get(method, (method, {}))
-            if method == "uniform":
-                kwargs = {"seed": seed}
-            scorer = get_scorer(name, lm, max_memory=None, **kwargs)
-            scored = scorer.score_encoded(encoded, errors="return")
+        scored = _scored(method, lm, encoded, needed, equals, seed, cache)
         timings[method] = time.time() - t0
         out, pr = {}, {g: [] for g in TRAIN_BUDGETS}
         eq_kept = {g: [0, 0] for g in TRAIN_BUDGETS}
@@ -209,7 +210,7 @@ def score_and_prune(lm, chains: list[dict], methods, seed: int, unit: str = "tok
             if isinstance(sc, InvalidExample):  # not trained on: every method loses the same
                 log.warning("%s: chain %s not scored: %s", method, enc.example.id, sc)
                 continue
-            kept = prune(enc.example, sc, budgets=TRAIN_BUDGETS, unit=unit)
+            kept = prune(enc.example, sc, budgets=TRAIN_BUDGETS, unit=UNIT_OF.get(method, unit))
             out[enc.example.id] = {c.budget: c.text for c in kept}
             if ok:
                 for c in kept:
@@ -221,12 +222,75 @@ def score_and_prune(lm, chains: list[dict], methods, seed: int, unit: str = "tok
                                        "recall": float(np.mean([r for _, r in v])), "n": len(v),
                                        "equals": eq_kept[g][0] / max(1, eq_kept[g][1])}
                               for g, v in pr.items() if v}
+        if method == "mist_alpha":
+            kept_stats[method]["alpha"] = cache["alpha"]
     shares = [n.mean() for n, ok in zip(needed, labelled) if ok]
     kept_stats["_chains"] = {"n": len(chains), "labelled": int(sum(labelled)),
                              "needed_share": float(np.mean(shares)) if shares else None,
                              "tokens": float(np.mean([e.chain_len for e in encoded])),
                              "score_seconds": {m: round(t, 2) for m, t in timings.items()}}
     return compressed, kept_stats
+
+
+def _scored(method: str, lm, encoded, needed, equals, seed: int, cache: dict) -> list:
+    """One method's ScoredChains (or InvalidExample per chain it could not score); scorings
+    that another method reuses are kept in `cache`."""
+    from mist_core.evaluation import positional_scores
+    from mist_core.registry import get_scorer
+    from mist_core.scorer import ScoredChain, combine, zscore
+
+    if method in cache:
+        return cache[method]
+    if method in POSITIONAL:  # keep the chain's first (head) or last (tail) tokens
+        scored = [ScoredChain.from_encoded(e, method, positional_scores(e.chain_len, method))
+                  for e in encoded]
+    elif method == "oracle":  # ground truth 2, `=` 1, the rest a random fill below both
+        rng = np.random.default_rng(seed)
+        scored = [ScoredChain.from_encoded(e, method, 2.0 * n + q + 0.5 * rng.random(e.chain_len))
+                  for e, n, q in zip(encoded, needed, equals)]
+    elif method == "hybrid":
+        a, b, w = HYBRID
+        scored = [x if not isinstance(x, ScoredChain) else y if not isinstance(y, ScoredChain)
+                  else ScoredChain.from_encoded(e, method, w * zscore(x.scores) + (1 - w) * zscore(
+                      np.log(np.maximum(y.scores, 1e-12))))
+                  for e, x, y in zip(encoded, _scored(a, lm, encoded, needed, equals, seed, cache),
+                                     _scored(b, lm, encoded, needed, equals, seed, cache))]
+    elif method == "mist_alpha":
+        base = _scored("mist_clipped", lm, encoded, needed, equals, seed, cache)
+        cache["alpha"] = alpha = choose_alpha(lm, encoded[:ALPHA_SLICE], base[:ALPHA_SLICE],
+                                              unit=cache["unit"])
+        scored = [x if not isinstance(x, ScoredChain) else
+                  ScoredChain.from_encoded(e, method, combine(x.necessity, x.sufficiency, alpha))
+                  for e, x in zip(encoded, base)]
+    else:
+        name, kwargs = VARIANTS.get(method, (method, {}))
+        if method == "uniform":
+            kwargs = {"seed": seed}
+        scorer = get_scorer(name, lm, max_memory=None, **kwargs)
+        scored = scorer.score_encoded(encoded, errors="return")
+    cache[method] = scored
+    return scored
+
+
+def choose_alpha(lm, encoded, scored, budget: float = 0.5, unit: str = "token") -> float:
+    """The α of ALPHAS whose pruned chains at `budget` keep the most of Eq. 1 (the mean
+    log p(a | x, c') over the chains): chosen per model, on its own chains, no labels."""
+    from mist_core.evaluation import compressed_input, answer_passes
+    from mist_core.prune import prune
+    from mist_core.scorer import ScoredChain, combine, shared_prefix
+
+    totals = dict.fromkeys(ALPHAS, 0.0)
+    for enc, sc in zip(encoded, scored):
+        if not isinstance(sc, ScoredChain):
+            continue
+        inputs = []
+        for a in ALPHAS:
+            s = ScoredChain.from_encoded(enc, "mist", combine(sc.necessity, sc.sufficiency, a))
+            kept = prune(enc.example, s, budgets=[budget], unit=unit)[0].kept
+            inputs.append(compressed_input(enc, kept))
+        for a, ans in zip(ALPHAS, answer_passes(lm, inputs, prefix_len=shared_prefix(enc))):
+            totals[a] += ans.log_likelihood
+    return max(ALPHAS, key=lambda a: (totals[a], -abs(a - 0.6)))
 
 
 def arm_records(arm: str, chains: list[dict], compressed: dict | None, seed: int,

@@ -172,6 +172,42 @@ def test_t_interval_and_render(tmp_path):
     assert existing_reading(path).strip() == "Kept text." and md.count(READING) == 1
 
 
+def test_oracle_variants_and_controls_prune_as_defined(problems, word_tokenizer):
+    """score_and_prune on generator chains with an untrained target: the oracle keeps the
+    ground truth, head the first tokens, the hybrid is its two z-scores' mean, mist_alpha
+    takes an α of the grid, and the equation unit keeps equations whole."""
+    from mist_core.models import wrap_model
+    from mist_core.synthetic import EQUATION as STEP
+    from pipelines.testbed import ALPHAS, score_and_prune
+
+    lm = wrap_model(tiny_llama(word_tokenizer, layers=2, hidden=32), word_tokenizer, "t")
+    chains = [{**p.row(), "source_id": p.id} for p in problems[:4]]
+    methods = ["oracle", "head", "hybrid", "mist_alpha", "mist_equation", "mist_mean"]
+    compressed, kept = score_and_prune(lm, chains, methods, seed=0)
+    assert kept["oracle"]["0.5"]["recall"] == 1.0 and kept["oracle"]["0.5"]["equals"] == 1.0
+    assert kept["mist_alpha"]["alpha"] in ALPHAS
+    for c in chains:
+        words = c["cot"].split()
+        head = compressed["head"][c["id"]][0.5].split()
+        assert head == words[:len(head)]
+        for g in (0.5, 0.7):  # every `=` kept stands in a whole equation
+            text = compressed["mist_equation"][c["id"]][g]
+            assert text.count("=") == len(STEP.findall(text))
+    # the hybrid from the two scorings it combines
+    from mist_core.examples import Example
+    from mist_core.scorer import zscore
+    from mist_core.templates import get_template
+    from pipelines.testbed import _scored
+
+    template = get_template("auto", lm.tokenizer, lm.max_length)
+    encoded = [template.encode(Example(c["question"], c["cot"], c["answer"], id=c["id"]))
+               for c in chains]
+    cache = {"unit": "token"}
+    hybrid = _scored("hybrid", lm, encoded, None, None, 0, cache)
+    for h, m, a in zip(hybrid, cache["mist_clipped"], cache["h2o"]):
+        np.testing.assert_allclose(h.scores, 0.5 * zscore(m.scores) + 0.5 * zscore(np.log(a.scores)))
+
+
 def test_the_default_arm_against_the_others_and_the_line(tmp_path):
     from pipelines.testbed import DEFAULT_ARM, line_margin, plot, render, Sizes
 
