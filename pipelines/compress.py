@@ -451,10 +451,11 @@ examples:
       --actors 1,4 --gpus-per-actor 1 --scores
   python -m pipelines.compress --config refresh.yaml   # keys as below, e.g. batch_size: 32
 
-exit status: 0 done, 2 bad settings, input or model, 3 counts did not reconcile, 4 storage
+exit status: 0 done, 2 bad settings, input or model, or another run writing the same
+--output (its lease, <output>/_lease.json), 3 counts did not reconcile, 4 storage
 unavailable (retried for MIST_STORAGE_RETRY_S seconds, default 60; rerun to resume),
 5 more rows failed than --max-error-share allows (no manifest; rerun after the fix redoes
-them), 1 other failure."""
+them), 130 interrupted (Ctrl-C; rerun to resume), 1 other failure."""
 
 
 def parse_args(argv: list[str] | None = None, prog: str = "python -m pipelines.compress"

@@ -85,8 +85,12 @@ def acquire(out, run_id: str) -> "Lease":
         lease = LocalLease(out, run_id)
     else:
         lease = ObjectLease(out, run_id)
-    lease.acquire()
-    _held.add(run_id)
+    _held.add(run_id)  # first: a run of this process holding it is not a gone process
+    try:
+        lease.acquire()
+    except BaseException:
+        _held.discard(run_id)
+        raise
     return lease
 
 
@@ -175,10 +179,14 @@ class ObjectLease:
     @storage.retried
     def acquire(self) -> None:
         self.started = _now().isoformat(timespec="seconds")
-        self.version = self.store.create(self._body(self.started))
+        # Read first: most runs find no lease, and one that finds a live one needs its record.
+        rec, version, age = self.store.read()
+        if rec is None:
+            self.version = self.store.create(self._body(self.started))
         if self.version is None:
-            rec, version, age = self.store.read()
-            if rec is None:  # released between our create and our read: try once more
+            if rec is None:  # created by another run since our read
+                rec, version, age = self.store.read()
+            if rec is None:  # ... and given back already: try once more
                 self.version = self.store.create(self._body(self.started))
             elif rec.get("run_id") == self.run_id:  # ours: a retried create whose answer was lost
                 self.version = version
