@@ -189,6 +189,9 @@ def reconcile(cfg: JobConfig, plan: Plan, stats: WriteStats, existing: Existing,
     check("sft records written", stats.sft, stats.scored * per_example)
     check("sft/ records", totals["sft_records"], existing.sft + stats.sft)
     check("rejects/ rows", totals["rejects"], existing.reject_rows + stats.rejects_written)
+    if totals["duplicate_rows"]:  # a later run cannot mend them: say what does
+        problems.append("data/ holds rows twice (as two runs writing it at once, before the "
+                        "lease, left it): rebuild it with --mode overwrite")
     if problems:
         raise AccountingError("the counts do not reconcile; the output has no manifest:\n  "
                               + "\n  ".join(problems))

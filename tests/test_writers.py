@@ -314,3 +314,43 @@ def test_rows_per_file_is_the_commit_group_whatever_block_ray_hands_the_writer(t
     assert groups == sorted(sorted([f"i{n}", f"i{n + 1}"]) for n in range(1, 13, 2))
     again = sink.write([block.slice(6), block.slice(0, 6)], None)  # a retried task, other blocks
     assert again.files == 12 and len(list((tmp_path / "data").glob("*.parquet"))) == 6
+
+
+@pytest.mark.integration
+def test_s3_lease_is_renewed_while_held_and_a_renewal_refused_marks_it_lost(s3, monkeypatch):
+    monkeypatch.setenv(lease.TTL_ENV, "0.4")  # renewed every 0.1 s
+    held = lease.acquire(Output("s3://writers/renew"), "run-r")
+    try:
+        first = held.version
+        deadline = time.monotonic() + 10
+        while held.version == first:
+            assert time.monotonic() < deadline, "never renewed"
+            time.sleep(0.05)
+        s3_record(s3, "renew/" + lease.LEASE, run_id="thief")  # its If-Match now fails
+        while held.lost is None:
+            assert time.monotonic() < deadline, "the lost lease went unnoticed"
+            time.sleep(0.05)
+        with pytest.raises(AccountingError, match="another run took over"):
+            held.check()
+    finally:
+        held.release()
+
+
+def test_duplicated_rows_name_their_remedy():
+    """An output that two runs wrote at once before the lease fails every later run (exit
+    status 3): the message says how to rebuild it."""
+    from collections import Counter as C
+
+    from pipelines.compress import Plan, reconcile
+    from pipelines.job.output import Existing
+    from pipelines.job.sink import WriteStats
+    from pipelines.settings import JobConfig, validate
+
+    cfg = validate(JobConfig(input=["x.jsonl"], output="out", budgets=[0.5]))
+    plan = Plan(read=0, examples=0, invalid=0, done=0, duplicates=0, to_score=0,
+                row_limits=None, dup_rows=frozenset(), extras=pa.schema([]), seconds=0.0)
+    existing = Existing(per_budget=C({"0.5": 16}), sft=16)
+    totals = {"rows_per_budget": {"0.5": 16}, "duplicate_rows": 8, "sft_records": 16,
+              "rejects": 0}
+    with pytest.raises(AccountingError, match="rebuild it with --mode overwrite"):
+        reconcile(cfg, plan, WriteStats(), existing, totals)
