@@ -331,9 +331,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.evaluat
 
     def body() -> int:
         cfg = parse_args(argv, prog)
+        from .report import console_table
+
         meta = run(cfg, argv)
         print(f"evaluated {meta['seconds']['chains_this_run']} chains in "
-              f"{meta['seconds']['total']:.0f}s; results in {cfg.output}/{RESULTS}")
+              f"{meta['seconds']['total']:.0f}s; results in {cfg.output}/{RESULTS}\n")
+        print(console_table(cfg.output), end="", flush=True)
         return 0
 
     return errors.run_main(body)

@@ -24,7 +24,8 @@ from mist_core.stats import bootstrap_indices, ci_mean, ci_ratio
 from mist_core.formats import budget_label
 from mist_core.taxonomy import TYPE_LABELS, TYPES
 
-from .results import ALL_METHODS, RESULTS, RUN, read_records, variant_name
+from . import errors
+from .results import ALL_METHODS, ENDS, RESULTS, RUN, read_records, variant_name
 
 PAPER = {"spearman": -0.07, "overlap30": 0.28,
          "exact": {("necessity", 0.3): 0.72, ("necessity", 0.5): 0.81,
@@ -176,15 +177,31 @@ class Summary:
     ll: dict = field(default_factory=dict)
     vs_mist: dict = field(default_factory=dict)  # (measure, variant) -> (diff, lo, hi)
 
+    @property
+    def controls(self) -> bool:
+        """Whether both ends were evaluated: retention is measured between them."""
+        return all(e in self.m for e in ENDS)
+
+    @property
+    def missing_note(self) -> str:
+        """What is left out for want of the controls, in words ('' if nothing is)."""
+        if self.controls:
+            return ""
+        lost = " and ".join(f"`{e}`" for e in ENDS if e not in self.m)
+        return (f"without {lost} (not in its `--methods`) the retention of Eq. 1, measured "
+                "between `nochain` and `full`, is left out; the other measures need no control")
+
     @classmethod
     def of(cls, run: Run, n_boot: int, seed: int) -> "Summary":
         m = measures(run)
         s = cls(run, m, bootstrap_indices(len(run.records), n_boot, seed))
-        ll0, ll1 = m["nochain"].ll, m["full"].ll
         for name, v in m.items():
             s.ll[name] = ci_mean(v.ll, s.idx)
-            s.retention[name] = ci_ratio(v.ll - ll0, ll1 - ll0, s.idx)
             s.accuracy[name] = ci_mean(v.correct, s.idx)
+        if s.controls:
+            ll0, ll1 = m["nochain"].ll, m["full"].ll
+            for name, v in m.items():
+                s.retention[name] = ci_ratio(v.ll - ll0, ll1 - ll0, s.idx)
         for b in run.budgets:
             ref = m.get(variant_name("mist", b))
             if ref is None:
@@ -194,10 +211,12 @@ class Summary:
                 if name not in m or meth == "mist":
                     continue
                 v = m[name]
-                den = (ll1 - ll0)[s.idx].mean(1)
-                d = ((v.ll - ref.ll)[s.idx].mean(1)) / den
-                s.vs_mist[("retention", name)] = (float((v.ll - ref.ll).mean() / (ll1 - ll0).mean()),
-                                                  *np.percentile(d, [2.5, 97.5]))
+                if s.controls:
+                    den = (ll1 - ll0)[s.idx].mean(1)
+                    d = ((v.ll - ref.ll)[s.idx].mean(1)) / den
+                    s.vs_mist[("retention", name)] = (
+                        float((v.ll - ref.ll).mean() / (ll1 - ll0).mean()),
+                        *np.percentile(d, [2.5, 97.5]))
                 d = (v.correct - ref.correct)[s.idx].mean(1)
                 s.vs_mist[("accuracy", name)] = (float((v.correct - ref.correct).mean()),
                                                  *np.percentile(d, [2.5, 97.5]))
@@ -242,7 +261,8 @@ class Summary:
             rows.append([f"`{meth}`", pct(kept.sum() / max(has.sum(), 1)),
                          pct(v.correct[kept].mean()) if kept.any() else "–",
                          pct(v.correct[lost].mean()) if lost.any() else "–"])
-        n = int((~np.isnan(self.m["full"].answer)).sum())
+        # whether a chain states its answer is the chain's, the same in every variant
+        n = int((~np.isnan(next(iter(self.m.values())).answer)).sum())
         return table(["method", f"answer statement kept, % of the {n} chains that state it",
                       "accuracy when kept, %", "accuracy when dropped, %"], rows)
 
@@ -295,8 +315,10 @@ class Summary:
 
     def wins_losses(self) -> list[str]:
         """Where another method beats MIST (or loses to it) beyond the paired 95% CI."""
+        if not any(variant_name("mist", b) in self.m for b in self.run.budgets):
+            return ["- MIST was not evaluated here: nothing to compare with"]
         lines = []
-        for what in ("retention", "accuracy"):
+        for what in ("retention", "accuracy") if self.controls else ("accuracy",):
             for b in self.run.budgets:
                 better, worse = [], []
                 for meth in self.run.methods:
@@ -364,6 +386,8 @@ def plot_types(s: Summary, budget: float, path: Path) -> None:
 
     run = s.run
     meths = [m for m in run.methods if m not in ("full", "nochain")]
+    if not meths:  # only the ends: no method prunes anything
+        return
     fig, ax = plt.subplots(figsize=(11, 5))
     width = 0.8 / len(meths)
     x = np.arange(len(TYPES))
@@ -391,7 +415,8 @@ def plot_types(s: Summary, budget: float, path: Path) -> None:
 def corpus_section(s: Summary, out: Path, figs: str) -> list[str]:
     run, c = s.run, s.run.meta["config"]
     name = run.name
-    plot_vs_budget(s, "retention", out / f"{name}_retention.png")
+    if s.controls:
+        plot_vs_budget(s, "retention", out / f"{name}_retention.png")
     plot_vs_budget(s, "accuracy", out / f"{name}_accuracy.png")
     mid = 0.5 if 0.5 in run.budgets else run.budgets[len(run.budgets) // 2]
     plot_types(s, mid, out / f"{name}_types.png")
@@ -416,15 +441,19 @@ def corpus_section(s: Summary, out: Path, figs: str) -> list[str]:
     if run.unavailable:
         lines.append("- not evaluated (unavailable here): " + "; ".join(
             f"`{k}`: {v.splitlines()[0][:160]}" for k, v in run.unavailable.items()))
+    lines += ["", "### The paper's objective (Eq. 1)", ""]
+    if s.controls:
+        lines += [
+            "Retention `(LL(c') − LL(∅)) / (LL(c) − LL(∅))` in %, as a ratio of means over chains "
+            "(per-chain ratios explode where the chain barely moves the answer), "
+            f"95% bootstrap CI. `full` = 100, `nochain` = 0 by definition. LL(c) = "
+            f"{s.ll['full'][0]:.2f}, LL(∅) = {s.ll['nochain'][0]:.2f} nats (mean log p of the answer).", "",
+            s.per_budget(s.retention, lambda t: with_ci(t)), "",
+            f"![retention]({figs}{name}_retention.png)", "",
+            f"*Figure: retention against budget. {run.caption()}.*", ""]
+    else:
+        lines += [f"Note: {s.missing_note}.", ""]
     lines += [
-        "", "### The paper's objective (Eq. 1)", "",
-        "Retention `(LL(c') − LL(∅)) / (LL(c) − LL(∅))` in %, as a ratio of means over chains "
-        "(per-chain ratios explode where the chain barely moves the answer), "
-        f"95% bootstrap CI. `full` = 100, `nochain` = 0 by definition. LL(c) = "
-        f"{s.ll['full'][0]:.2f}, LL(∅) = {s.ll['nochain'][0]:.2f} nats (mean log p of the answer).", "",
-        s.per_budget(s.retention, lambda t: with_ci(t)), "",
-        f"![retention]({figs}{name}_retention.png)", "",
-        f"*Figure: retention against budget. {run.caption()}.*", "",
         "Mean `log p(a | x, c')` in nats:", "",
         s.per_budget(s.ll, lambda t: with_ci(t, 1, 2)), "",
         "### Answer accuracy", "",
@@ -446,8 +475,9 @@ def corpus_section(s: Summary, out: Path, figs: str) -> list[str]:
         "Share of each type's tokens that the method keeps, % (the paper's taxonomy; the last row is "
         "each type's share of all chain tokens).", "",
         s.types_table(mid), "",
-        f"![types]({figs}{name}_types.png)", "",
-        f"*Figure: token-type profile at γ = {budget_label(mid)}. {run.caption()}.*", "",
+        *([f"![types]({figs}{name}_types.png)", "",
+           f"*Figure: token-type profile at γ = {budget_label(mid)}. {run.caption()}.*", ""]
+          if (out / f"{name}_types.png").exists() else []),
         "### Necessity vs sufficiency", "",
         s.rank_table(), "",
     ]
@@ -470,7 +500,7 @@ def headline(summaries: list[Summary], budget: float) -> list[str]:
             if name not in s.m:
                 row += ["–"] * 4
                 continue
-            row += [with_ci(s.retention[name]), with_ci(s.accuracy[name]),
+            row += [with_ci(s.retention.get(name, (np.nan,) * 3)), with_ci(s.accuracy[name]),
                     pct(nanmean(s.m[name].results)), pct(nanmean(s.m[name].answer))]
         rows.append(row)
     head = ["method"]
@@ -480,12 +510,51 @@ def headline(summaries: list[Summary], budget: float) -> list[str]:
     return [table(head, rows)]
 
 
+def console_table(folder: str | Path) -> str:
+    """The headline numbers of one evaluation folder as terminal text: per method (rows)
+    and budget (columns), the retention of Eq. 1 and the answer accuracy, in %, as point
+    estimates (the report gives their intervals).
+
+    Args:
+        folder: what `mist eval` wrote (run.json, results.jsonl).
+
+    Returns:
+        The table and a line saying what it shows, ending with a newline."""
+    run = Run.load(folder)
+    if not run.records:
+        return f"no chain evaluated in {folder}: no numbers to show\n"
+    m = measures(run)
+    controls = all(e in m for e in ENDS)
+    if controls:
+        ll0, ll1 = m["nochain"].ll, m["full"].ll
+
+    def cell(name: str) -> str:
+        if name not in m:
+            return "–"
+        v = m[name]
+        if not controls:
+            return pct(np.mean(v.correct))
+        return f"{pct(np.mean(v.ll - ll0) / np.mean(ll1 - ll0))} / {pct(np.mean(v.correct))}"
+
+    width = max(len(meth) for meth in run.methods) + 2
+    lines = [" " * width + "".join(f"{'γ ' + budget_label(b):>12}" for b in run.budgets)]
+    for meth in run.methods:
+        cells = [cell(meth)] if meth in ENDS else [cell(variant_name(meth, b)) for b in run.budgets]
+        lines.append(meth.ljust(width) + "".join(f"{c:>12}" for c in cells)
+                     + ("   (no budget)" if meth in ENDS else ""))
+    what = "retention of Eq. 1 % / greedy answer accuracy %" if controls else \
+        "greedy answer accuracy % (retention needs full and nochain in --methods)"
+    lines.append(f"{what}, over {len(run.records)} chains; intervals and the other measures: "
+                 f"mist report {folder}")
+    return "\n".join(lines) + "\n"
+
+
 def write_report(folders: list[str], out: Path, n_boot: int = 2000, seed: int = 0,
                  notes: Path | None = None, saliency: str | None = None,
                  command: str = "") -> Path:
-    out.mkdir(parents=True, exist_ok=True)
     runs = [Run.load(f) for f in folders]
     summaries = [Summary.of(r, n_boot, seed) for r in runs]
+    out.mkdir(parents=True, exist_ok=True)  # after the reading: a bad folder leaves nothing
     figs = ""  # figures sit next to quality.md
     budget = 0.5 if all(0.5 in r.budgets for r in runs) else runs[0].budgets[0]
     lines = [
@@ -502,6 +571,8 @@ def write_report(folders: list[str], out: Path, n_boot: int = 2000, seed: int = 
         f"## Headline at γ = {budget_label(budget)}", "",
     ]
     lines += headline(summaries, budget) + [""]
+    lines += [f"Note: in {s.run.name}, {s.missing_note}." for s in summaries if not s.controls]
+    lines += [""] if lines[-1] else []
     if notes is not None and notes.exists():
         lines += [notes.read_text().strip(), ""]
     if saliency:
@@ -513,9 +584,17 @@ def write_report(folders: list[str], out: Path, n_boot: int = 2000, seed: int = 
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m pipelines.report") -> int:
+    """`mist report`: write quality.md and its figures from stored evaluation results.
+
+    Args:
+        argv: the command line after the program's name (default: sys.argv[1:]).
+        prog: the program's name in --help and in the page's "Generated by".
+
+    Returns:
+        The exit status: 0, or 2 for a folder that holds no evaluation."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(prog="python -m pipelines.report", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("folders", nargs="+", help="results folders written by pipelines.evaluate")
     p.add_argument("--out", default="docs/results", help="where quality.md and the PNGs go")
     p.add_argument("--notes", default=None,
@@ -533,10 +612,14 @@ def main(argv: list[str] | None = None) -> int:
         sal = ("What MIST sees in one GSM8K chain: tokens shaded by necessity, sufficiency and the "
                "unified score, and what each budget keeps ([interactive HTML](saliency.html)).\n\n"
                "![saliency](saliency.png)")
-    path = write_report(a.folders, out, a.boot, a.seed, notes, sal,
-                        command="python -m pipelines.report " + shlex.join(argv))
-    print(f"wrote {path}")
-    return 0
+
+    def body() -> int:
+        path = write_report(a.folders, out, a.boot, a.seed, notes, sal,
+                            command=f"{prog} {shlex.join(argv)}")
+        print(f"wrote {path}")
+        return 0
+
+    return errors.run_main(body)
 
 
 if __name__ == "__main__":
