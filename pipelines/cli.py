@@ -1,5 +1,8 @@
-"""The `mist` console script: `mist compress …` runs the compression job; eval, bench and
-soak run the other entry points; generate, train and solve are the distillation loop."""
+"""The `mist` console script: `mist compress …` runs the compression job and `mist show`
+looks at its output; eval, report and saliency measure and picture the methods; bench and
+soak the job's cost; generate, train and solve are the distillation loop. Each command is
+its module's main (`python -m pipelines.<module>` runs the same; `ray job submit` uses
+`python -m pipelines.compress`)."""
 from __future__ import annotations
 
 import sys
@@ -9,7 +12,13 @@ USAGE = """usage: mist <command> [options]
 commands:
   compress   score, prune and write compressed reasoning corpora (Ray Data job);
              `mist compress --help` for its options, `mist compress` alone runs the demo
-  eval       measure compression quality per method and budget (docs/results/quality.md)
+  show       look at an output: its headline, kept shares, reject reasons and a few chains
+             with the dropped words marked, e.g. `mist show outputs/demo` (--html FILE: a page)
+  eval       measure compression quality per method and budget; ends with its table
+  report     tables and plots from `mist eval` folders, no model needed
+             (docs/results/quality.md)
+  saliency   one chain shaded by necessity, sufficiency and MIST's score, and what each
+             budget keeps, as HTML and PNG (docs/results/saliency.html)
   bench      scoring cost in forward passes, throughput, padding, the job's overhead
              (docs/results/performance.md)
   soak       many chains through the job with memory sampled (docs/results/reliability.md)
@@ -45,13 +54,13 @@ def main(argv: list[str] | None = None) -> int:
         from .evaluate import main as evaluate
 
         return evaluate(rest, prog="mist eval")
-    if command in LOOP:
+    if command in LOOP + ("show", "report"):
         from importlib import import_module
 
         return import_module(f".{command}", __package__).main(rest, prog=f"mist {command}")
     if command == "model-path":
         return model_path(rest)
-    if command in ("bench", "soak"):
+    if command in ("bench", "soak", "saliency"):
         from importlib import import_module
 
         return import_module(f".{command}", __package__).main(rest)
