@@ -140,61 +140,70 @@ def _visible(texts) -> str:
     return re.sub(r"\s+", "", "".join(texts))
 
 
-def _runs(cot: str, kept: list[bool]) -> list[tuple[str, bool]]:
-    out: list[tuple[str, bool]] = []
-    for ch, k in zip(cot, kept):
-        if out and out[-1][1] == k:
-            out[-1] = (out[-1][0] + ch, k)
-        else:
-            out.append((ch, k))
+def _runs(cot: str, cuts: list[tuple[int, bool]]) -> list[tuple[str, bool]]:
+    """(text, kept) pieces of `cot` from (end, kept) cuts in order, neighbours of one kind
+    joined (slices, not repeated concatenation: chains run to 100k characters)."""
+    out, start = [], 0
+    for i, (stop, kept) in enumerate(cuts):
+        if i + 1 < len(cuts) and cuts[i + 1][1] == kept:
+            continue
+        if stop > start:
+            out.append((cot[start:stop], kept))
+            start = stop
     return out
 
 
 def _by_characters(cot: str, compressed: str) -> list[tuple[str, bool]]:
-    kept, j = [], 0
-    for ch in cot:
+    cuts, j = [], 0
+    for i, ch in enumerate(cot):
         hit = j < len(compressed) and ch == compressed[j]
-        kept.append(hit)
+        cuts.append((i + 1, hit))
         j += hit
-    return _runs(cot, kept)
+    return _runs(cot, cuts)
+
+
+WINDOW = 1000  # words aligned at once: difflib's cost grows with the square of the length
+
+
+def _word_ops(old: list[str], new: list[str]):
+    """difflib's opcodes of the two word lists, found a window at a time: each window
+    ends at the last equal block in its first three quarters, where the next one starts
+    (the compressed words of W chain words lie within W words of compressed chain)."""
+    i0 = j0 = 0
+    while i0 < len(old):
+        i1, j1 = min(len(old), i0 + WINDOW), min(len(new), j0 + WINDOW)
+        # autojunk off: it would treat frequent words ("the", "=") as noise in long chains
+        ops = difflib.SequenceMatcher(None, old[i0:i1], new[j0:j1], autojunk=False).get_opcodes()
+        if i1 < len(old):
+            cut = [k for k, op in enumerate(ops) if op[0] == "equal" and op[2] <= 3 * WINDOW // 4]
+            ops = ops[:cut[-1] + 1] if cut else ops
+        for tag, a1, a2, b1, b2 in ops:
+            yield tag, i0 + a1, i0 + a2, j0 + b1, j0 + b2
+        i0, j0 = i0 + ops[-1][2], j0 + ops[-1][4]
 
 
 def _by_words(cot: str, compressed: str) -> list[tuple[str, bool]]:
     words = [(m.start(), m.end()) for m in re.finditer(r"\S+", cot)]
     old = [cot[a:b] for a, b in words]
     new = compressed.split()
-    out: list[tuple[str, bool]] = []
-    pos = 0
-
-    def add(stop: int, kept: bool) -> None:
-        nonlocal pos
-        if stop > pos:
-            if out and out[-1][1] == kept:
-                out[-1] = (out[-1][0] + cot[pos:stop], kept)
-            else:
-                out.append((cot[pos:stop], kept))
-            pos = stop
-
-    # autojunk off: it would treat frequent words ("the", "=") as noise in long chains
-    ops = difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes()
-    for tag, i1, i2, j1, j2 in ops:
+    cuts: list[tuple[int, bool]] = []  # (end, kept) of consecutive stretches of cot
+    for tag, i1, i2, j1, j2 in _word_ops(old, new):
         if i1 == i2:  # an insertion cannot come from pruning: nothing of cot to mark
             continue
         start, stop = words[i1][0], words[i2 - 1][1]
-        add(start, True)  # the whitespace before keeps whatever came before it
+        cuts.append((start, True))  # the whitespace before the words: never marked
         if tag == "equal":
-            add(stop, True)
+            cuts.append((stop, True))
         elif tag == "delete":
-            add(stop, False)
+            cuts.append((stop, False))
         else:  # partly kept words: align their characters
             span, kept = cot[start:stop], " ".join(new[j1:j2])
             for a, _, size in difflib.SequenceMatcher(None, span, kept, autojunk=False
                                                       ).get_matching_blocks():
-                add(start + a, False)
-                add(start + a + size, True)
-            add(stop, False)
-    add(len(cot), not out or out[-1][1])
-    return out
+                cuts += [(start + a, False), (start + a + size, True)]
+            cuts.append((stop, False))
+    cuts.append((len(cot), cuts[-1][1] if cuts else True))
+    return _runs(cot, cuts)
 
 
 def _marked(pieces: list[tuple[str, bool]]) -> str:
