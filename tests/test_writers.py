@@ -354,3 +354,18 @@ def test_duplicated_rows_name_their_remedy():
               "rejects": 0}
     with pytest.raises(AccountingError, match="rebuild it with --mode overwrite"):
         reconcile(cfg, plan, WriteStats(), existing, totals)
+
+
+def test_lease_without_conditional_writes_refuses_a_second_holder(tmp_path, monkeypatch):
+    """gs:// has no conditional put through pyarrow: the lease is checked, written and read
+    back (here through the same code on a local filesystem)."""
+    monkeypatch.setattr(lease, "_local", lambda out: False)
+    out = Output(str(tmp_path / "out"))
+    held = lease.acquire(out, "run-g")
+    try:
+        with pytest.raises(OutputBusy, match=r"by run run-g .*delete .*_lease\.json and rerun"):
+            lease.acquire(out, "run-h")
+        held.check()
+    finally:
+        held.release()
+    assert not (tmp_path / "out" / lease.LEASE).exists()

@@ -49,7 +49,7 @@ def _now() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
 
-def _record(run_id: str, ttl: float) -> dict:
+def _record(run_id: str, ttl: float | None) -> dict:
     return {"run_id": run_id, "host": socket.gethostname(), "pid": os.getpid(),
             "started_at": _now().isoformat(timespec="seconds"), "ttl_s": ttl,
             "renewed_at": _now().isoformat(timespec="seconds")}
@@ -78,13 +78,14 @@ def _holder(rec: dict | None) -> str:
             f"started {rec.get('started_at')})")
 
 
-def acquire(out, run_id: str) -> "Lease":
+def _local(out) -> bool:
+    return isinstance(out.fs, pafs.LocalFileSystem)
+
+
+def acquire(out, run_id: str) -> LocalLease | ObjectLease:
     """Take the lease on the output `out` (job.output.Output) for this run, or raise
     OutputBusy (one line: who holds it and how to take over)."""
-    if isinstance(out.fs, pafs.LocalFileSystem):
-        lease = LocalLease(out, run_id)
-    else:
-        lease = ObjectLease(out, run_id)
+    lease = LocalLease(out, run_id) if _local(out) else ObjectLease(out, run_id)
     _held.add(run_id)  # first: a run of this process holding it is not a gone process
     try:
         lease.acquire()
@@ -128,7 +129,7 @@ class LocalLease:
                 break
             os.close(fd)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(_record(self.run_id, 0)).encode("utf-8"), 0)
+        os.pwrite(fd, json.dumps(_record(self.run_id, None)).encode("utf-8"), 0)
         self.fd = fd
 
     def _read(self) -> dict | None:
