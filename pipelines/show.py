@@ -168,18 +168,24 @@ WINDOW = 1000  # words aligned at once: difflib's cost grows with the square of 
 def _word_ops(old: list[str], new: list[str]):
     """difflib's opcodes of the two word lists, found a window at a time: each window
     ends at the last equal block in its first three quarters, where the next one starts
-    (the compressed words of W chain words lie within W words of compressed chain)."""
+    (the compressed words of W chain words lie within W words of compressed chain). A
+    window without one (all its words dropped) is doubled until it has one: its tail of
+    compressed words may belong to chain words after it."""
     i0 = j0 = 0
+    size = WINDOW
     while i0 < len(old):
-        i1, j1 = min(len(old), i0 + WINDOW), min(len(new), j0 + WINDOW)
+        i1, j1 = min(len(old), i0 + size), min(len(new), j0 + size)
         # autojunk off: it would treat frequent words ("the", "=") as noise in long chains
         ops = difflib.SequenceMatcher(None, old[i0:i1], new[j0:j1], autojunk=False).get_opcodes()
         if i1 < len(old):
-            cut = [k for k, op in enumerate(ops) if op[0] == "equal" and op[2] <= 3 * WINDOW // 4]
-            ops = ops[:cut[-1] + 1] if cut else ops
+            cut = [k for k, op in enumerate(ops) if op[0] == "equal" and op[2] <= 3 * size // 4]
+            if not cut:
+                size *= 2
+                continue
+            ops = ops[:cut[-1] + 1]
         for tag, a1, a2, b1, b2 in ops:
             yield tag, i0 + a1, i0 + a2, j0 + b1, j0 + b2
-        i0, j0 = i0 + ops[-1][2], j0 + ops[-1][4]
+        i0, j0, size = i0 + ops[-1][2], j0 + ops[-1][4], WINDOW
 
 
 def _by_words(cot: str, compressed: str) -> list[tuple[str, bool]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from html.parser import HTMLParser
+from unittest import mock
 
 import numpy as np
 import pyarrow as pa
@@ -205,10 +206,28 @@ def test_marks_account_for_every_kept_character(words, seps, keep):
     cot = "".join(s + w for s, w in zip(seps, words)).strip()
     ps = pieces(cot)
     compressed = "".join(p for p, k in zip(ps, keep) if k).strip()
-    found = show.marks(cot, compressed)
+    for window in (show.WINDOW, 4):  # one alignment, and one a few words at a time
+        with mock.patch.object(show, "WINDOW", window):
+            found = show.marks(cot, compressed)
+        assert "".join(t for t, _ in found) == cot
+        kept = "".join(t for t, k in found if k)
+        assert re.sub(r"\s", "", kept) == re.sub(r"\s", "", compressed)
+
+
+@pytest.mark.parametrize("window", [16, show.WINDOW])
+def test_long_chains_are_aligned_a_window_at_a_time(monkeypatch, window):
+    """Words all different, so one alignment is right: every window finds it, and a chain
+    of 20k words takes seconds, not the minutes of one alignment over it all."""
+    monkeypatch.setattr(show, "WINDOW", window)
+    rng = np.random.default_rng(window)
+    n = 300 if window == 16 else 20_000
+    words = [f"w{i}" for i in range(n)]
+    keep = rng.random(n) < 0.4
+    cot = " ".join(words)
+    found = show._by_words(cot, " ".join(w for w, k in zip(words, keep) if k))
+    kept = [w for t, k in found if k for w in t.split()]
+    assert kept == [w for w, k in zip(words, keep) if k]
     assert "".join(t for t, _ in found) == cot
-    kept = "".join(t for t, k in found if k)
-    assert re.sub(r"\s", "", kept) == re.sub(r"\s", "", compressed)
 
 
 @pytest.mark.integration  # a moto S3 server
