@@ -38,7 +38,9 @@ def evil_model(tmp_path, tokenizer, monkeypatch):
     a command run as a subprocess inherits them."""
     from conftest import make_model
 
-    path = tmp_path / "evil-model"
+    # Not test_security's folder name: transformers imports a folder's code as a module named
+    # after the folder, once a process, so a second test's trusted load would not run it again.
+    path = tmp_path / "folder-with-code"
     make_model("llama", len(tokenizer), layers=1).save_pretrained(path)
     tokenizer.save_pretrained(path)
     config = json.loads((path / "config.json").read_text())
