@@ -230,6 +230,38 @@ def test_long_chains_are_aligned_a_window_at_a_time(monkeypatch, window):
     assert "".join(t for t, _ in found) == cot
 
 
+@pytest.mark.integration  # the compression job on a local Ray
+def test_show_on_a_job_output(tmp_path, model_dir, capsys):
+    """What the job writes, shown: the counts are the manifest's, the bad line is a reject,
+    and each budget's marks keep exactly its compressed chain."""
+    from conftest import loopback_ray
+    from pipelines import compress as job
+    from pipelines.settings import JobConfig, validate
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in demo_corpus(5, seed=9)) + "{oops\n")
+    out = tmp_path / "out"
+    with loopback_ray():
+        manifest = job.run(validate(JobConfig(input=[str(corpus)], output=str(out),
+                                              model=str(model_dir), budgets=BUDGETS,
+                                              batch_size=8)))
+    capsys.readouterr()  # the job's progress lines
+    assert show.main([str(out)]) == 0
+    text = capsys.readouterr().out
+    flat = " ".join(text.split())
+    assert len(text.splitlines()) <= 40, text
+    assert flat.startswith(f"{out}: 5 examples x 2 budgets (10 data/ rows), "
+                           f"{manifest['totals']['sft_records']} sft/ records, 1 rejects")
+    assert f"last run {manifest['run_id']}" in flat and "invalid_json 1 e.g." in flat
+    preview = show.load(str(out))
+    assert [len(rows) for rows in preview.examples] == [2, 2]
+    for rows in preview.examples:
+        for r in rows:
+            kept = "".join(t for t, k in show.marks(r["cot"], r["compressed_cot"]) if k)
+            assert kept.split() == r["compressed_cot"].split() or \
+                re.sub(r"\s", "", kept) == re.sub(r"\s", "", r["compressed_cot"])
+
+
 @pytest.mark.integration  # a moto S3 server
 def test_show_reads_an_output_on_s3(capsys):
     from s3_server import environ_patch, moto_s3, s3_client, s3_env
