@@ -18,6 +18,7 @@ import argparse
 import difflib
 import html
 import json
+import os
 import re
 import shutil
 import sys
@@ -25,6 +26,7 @@ import textwrap
 from collections import Counter
 from dataclasses import dataclass, field
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
@@ -32,8 +34,8 @@ from mist_core.formats import DATA_COLUMNS, budget_label
 
 from . import errors, storage
 
-# The layout pipelines/job/output.py writes (not imported from there: it pulls in Ray).
-MANIFEST, PREVIOUS = "_manifest.json", "_manifest.previous.json"
+# The name pipelines/job/output.py writes (not imported from there: it pulls in Ray).
+MANIFEST = "_manifest.json"
 # Private-use marks around dropped text until it is rendered, two characters like [- and -]
 # so that lines wrap at the width they print at.
 DROP, END = "\ue000\ue000", "\ue001\ue001"
@@ -88,7 +90,7 @@ def _examples(fs, files: list[str], rows: int, ids: list[str] | None) -> list[li
         names = pq.read_schema(path, filesystem=fs).names
         table = pq.read_table(path, filesystem=fs, columns=[c for c in DATA_COLUMNS if c in names])
         if wanted:
-            table = table.filter(pc.is_in(table.column("id"), value_set=_strings(wanted)))
+            table = table.filter(pc.is_in(table.column("id"), value_set=pa.array(wanted, pa.string())))
         for row in table.to_pylist():
             if row["id"] in found or len(found) < (len(wanted) or rows):
                 found.setdefault(row["id"], []).append(row)
@@ -98,12 +100,6 @@ def _examples(fs, files: list[str], rows: int, ids: list[str] | None) -> list[li
             break
     order = wanted or list(found)
     return [sorted(found[i], key=lambda r: r["budget"]) for i in order if i in found]
-
-
-def _strings(values: list[str]):
-    import pyarrow as pa
-
-    return pa.array(values, pa.string())
 
 
 def _rejects(fs, root: str) -> list[tuple[str, int, str]]:
@@ -246,7 +242,8 @@ def _wrap(text: str, width: int, lines: int, color: bool, indent: str = "") -> l
             line = line.replace(DROP, DIM).replace(END, UNDIM)
         else:
             line = line.replace(DROP, "[-").replace(END, "-]")
-        out.append(head + line)
+        # half a mark, where a word longer than the line was cut inside it
+        out.append(head + line.replace(DROP[0], "").replace(END[0], ""))
     return out
 
 
@@ -385,11 +382,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.show") 
     p.add_argument("--html", default=None, metavar="FILE",
                    help="also write the preview as an HTML page to FILE")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if a.rows < 1 or a.lines < 1:
+        p.error("--rows and --lines take a number of at least 1")
 
     def body() -> int:
         preview = load(a.output, a.rows, a.ids)
         width = min(shutil.get_terminal_size((100, 24)).columns, 120)
-        print(render_text(preview, width, a.lines, sys.stdout.isatty()), end="")
+        color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")  # no-color.org
+        print(render_text(preview, width, a.lines, color), end="")
         if a.html:
             with open(a.html, "w", encoding="utf-8") as f:
                 f.write(render_html(preview))
