@@ -1,12 +1,15 @@
 """The quality report: tables (quality.md) and plots (PNG) from stored evaluation results.
 
-    python -m pipelines.report docs/results/runs/gsm8k docs/results/runs/math500 --out docs/results
+    mist report docs/results/runs/gsm8k docs/results/runs/math500 --out docs/results
+    (the same: python -m pipelines.report …)
 
-Reads the folders `python -m pipelines.evaluate` wrote (run.json, results.jsonl) and needs no
+Reads the folders `mist eval` wrote (run.json, results.jsonl) and needs no
 model: the measures that depend only on text (answer correctness, intermediate results,
 number tokens, token types) are recomputed from the stored predictions and kept masks with
 the current code; Eq. 1 comes as stored. Confidence intervals are 95% percentile bootstraps
-over examples, with the same draws for every method (differences to MIST are paired)."""
+over examples, with the same draws for every method (differences to MIST are paired).
+Retention is measured between the `nochain` and `full` controls: an evaluation without
+them gets every other measure and a note saying so."""
 from __future__ import annotations
 
 import argparse
