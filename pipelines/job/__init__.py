@@ -1,5 +1,6 @@
 """The compression job's internals (its command and driver: pipelines/compress.py): the
 stages every row passes (stages.py: validate and tokenize, score, prune), the writer
-(sink.py) and the output folder it writes (output.py), where the scoring actors run and the
+(sink.py) and the output folder it writes (output.py), the one-writer lease on that folder
+(lease.py), where the scoring actors run and the
 progress line (placement.py), the error budget (budget.py), and the faults tests inject
 (faults.py)."""
