@@ -251,3 +251,61 @@ def evaluate_chain(lm: LM, enc: Encoded, variants: dict, style: str, extra_new: 
                      "correct": answer_correct(ans.text, enc.example.answer, style),
                      **profile.kept(kept if kept is not None else np.zeros(enc.chain_len, bool))}
     return out
+
+
+# ---------------------------------------------------------------- greedy likelihood pruning
+
+@torch.no_grad()
+def answer_log_likelihoods(lm: LM, inputs: Sequence[tuple[np.ndarray, np.ndarray]],
+                           batch_size: int = 32) -> np.ndarray:
+    """Eq. 1 alone, log p(answer | prompt), for each (prompt, answer) pair: teacher-forced,
+    no decoding, in batches of `batch_size` with right padding."""
+    from .tracing import span_logprobs
+
+    out = []
+    for i in range(0, len(inputs), batch_size):
+        part = inputs[i: i + batch_size]
+        seqs = [np.concatenate([p, a]) for p, a in part]
+        ids, _ = pad(seqs, lm.pad_id, lm.device)
+        hidden = run_base(lm, ids).last_hidden_state
+        spans = [(len(p), len(p) + len(a)) for p, a in part]
+        out += [float(lp.double().sum()) for lp in span_logprobs(lm, hidden, spans, ids)]
+    return np.array(out)
+
+
+def greedy_likelihood(lm: LM, enc: Encoded, budgets: Sequence[float], drop: int = 1,
+                      batch_size: int = 32) -> dict[float, np.ndarray]:
+    """Greedy likelihood pruning (arXiv 2601.03066), an expensive upper reference for the
+    evaluation: from the whole chain, repeatedly drop the unit whose removal costs Eq. 1
+    least, `drop` units a step, until each budget's ⌈γT⌉ is met. Units are the token unit
+    of mist_core.prune (numbers whole), so a budget may end a few tokens under ⌈γT⌉.
+
+    Args:
+        lm: the model Eq. 1 is measured with.
+        enc: the encoded chain.
+        budgets: the retention budgets γ.
+        drop: units dropped per step (1: the method as published; more: a cheaper
+            approximation). Each step costs one forward pass per unit still kept.
+        batch_size: inputs per forward pass.
+
+    Returns:
+        {γ: kept mask, bool [T]}.
+    """
+    from .prune import budget_tokens, pruning_units
+
+    units = pruning_units(enc.example.cot, enc.chain_offsets, "token")
+    kept = np.ones(enc.chain_len, dtype=bool)
+    targets = sorted({float(g): budget_tokens(g, enc.chain_len) for g in budgets}.items(),
+                     key=lambda x: -x[1])
+    out = {}
+    for g, k in targets:
+        while kept.sum() > k:
+            alive = np.unique(units[kept])
+            trials = [kept & (units != u) for u in alive]
+            lls = answer_log_likelihoods(lm, [compressed_input(enc, t) for t in trials], batch_size)
+            for u in alive[np.argsort(-lls, kind="stable")][:drop]:
+                if kept.sum() <= k:
+                    break
+                kept &= units != u
+        out[g] = kept.copy()
+    return out

@@ -153,6 +153,11 @@ class EvalActor:
         scores.update({n: r.scores for n, r in scored.items() if n != "mist"})
         scores.update({n: positional_scores(enc.chain_len, n) for n in POSITIONAL})
         out = {}
+        if "greedy_ll" in self.cfg.methods:
+            from mist_core.evaluation import greedy_likelihood
+
+            for g, kept in greedy_likelihood(self.lm, enc, self.cfg.budgets).items():
+                out[variant_name("greedy_ll", g)] = kept
         for name in self.cfg.methods:
             if name == "full":
                 out[name] = np.ones(enc.chain_len, dtype=bool)

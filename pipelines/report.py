@@ -35,8 +35,9 @@ PAPER = {"spearman": -0.07, "overlap30": 0.28,
                    ("sufficiency", 0.3): 0.68, ("sufficiency", 0.5): 0.76}}
 COLORS = {"mist": "#d62728", "necessity": "#ff9896", "sufficiency": "#e377c2",
           "uniform": "#7f7f7f", "perplexity": "#1f77b4", "attention_rollout": "#17becf",
-          "h2o": "#2ca02c", "crisp": "#17becf", "gogi_l1": "#9467bd", "llmlingua2": "#8c564b", "head": "#bcbd22",
-          "tail": "#ff7f0e", "full": "#000000", "nochain": "#000000"}
+          "h2o": "#2ca02c", "crisp": "#98df8a", "gogi_l1": "#9467bd", "llmlingua2": "#8c564b",
+          "head": "#bcbd22", "tail": "#ff7f0e", "greedy_ll": "#393b79", "mist_clipped": "#8c0000",
+          "full": "#000000", "nochain": "#000000"}
 
 
 @dataclass

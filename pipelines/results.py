@@ -16,8 +16,11 @@ MIST_METHODS = ("mist", "necessity", "sufficiency", "mist_clipped")
 BASELINES = ("uniform", "perplexity", "attention_rollout", "h2o", "crisp", "gogi_l1", "llmlingua2")
 POSITIONAL = ("head", "tail")  # keep the first / last tokens
 ENDS = ("full", "nochain")  # the whole chain / no chain
-ALL_METHODS = MIST_METHODS + BASELINES + POSITIONAL + ENDS
-VARIANTS = ("mist_clipped",)  # beyond the paper: evaluated when asked for (--methods)
+# Greedy likelihood pruning (arXiv 2601.03066): an upper reference, a forward pass per kept
+# token per dropped token; evaluated only when asked for.
+REFERENCES = ("greedy_ll",)
+ALL_METHODS = MIST_METHODS + BASELINES + POSITIONAL + REFERENCES + ENDS
+VARIANTS = ("mist_clipped",) + REFERENCES  # evaluated when asked for (--methods)
 DEFAULT_METHODS = tuple(m for m in ALL_METHODS if m not in VARIANTS)
 RESULTS, RUN = "results.jsonl", "run.json"
 

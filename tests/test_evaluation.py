@@ -355,3 +355,24 @@ def test_one_token_carries_the_answer(copy_lm):
     idx = bootstrap_indices(6, 200)
     assert ci_ratio(ll["only"] - ll["nochain"], ll["full"] - ll["nochain"], idx)[0] == pytest.approx(1.0, abs=0.05)
     assert abs(ci_ratio(ll["drop"] - ll["nochain"], ll["full"] - ll["nochain"], idx)[0]) < 0.2
+
+
+def test_greedy_likelihood_drops_the_cheapest_unit_first(tiny_lm, examples):
+    """Each step of greedy likelihood pruning removes the token whose removal leaves Eq. 1
+    highest, checked step by step against answer_passes' teacher-forced log-likelihoods."""
+    from mist_core.evaluation import answer_log_likelihoods, greedy_likelihood
+    from mist_core.prune import budget_tokens
+
+    scorer = MistScorer(tiny_lm)
+    enc = scorer.encode(examples[0])
+    T = enc.chain_len
+    masks = greedy_likelihood(tiny_lm, enc, [0.5, 0.8], batch_size=5)
+    assert masks[0.5].sum() <= budget_tokens(0.5, T) and masks[0.8].sum() <= budget_tokens(0.8, T)
+    assert not (masks[0.5] & ~masks[0.8]).any()  # one path: the smaller budget drops more
+    # the first step, from the whole chain, by hand
+    trials = [np.arange(T) != i for i in range(T)]
+    lls = [a.log_likelihood for a in answer_passes(tiny_lm, [compressed_input(enc, t) for t in trials])]
+    np.testing.assert_allclose(answer_log_likelihoods(tiny_lm, [compressed_input(enc, t) for t in trials]),
+                               lls, rtol=1e-4, atol=1e-4)
+    first = greedy_likelihood(tiny_lm, enc, [(T - 1) / T])[(T - 1) / T]
+    assert (~first).sum() == 1 and int(np.nonzero(~first)[0][0]) == int(np.argmax(lls))
