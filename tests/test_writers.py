@@ -84,7 +84,7 @@ def assert_one_refused(codes, logs, first_s, display: str) -> str:
     errors = [ln for ln in lost.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in lost, lost
     assert errors[0].startswith(f"error: {display} is being written by run ")
-    assert f"pid " in errors[0] and "wait for it to finish" in errors[0]
+    assert "pid " in errors[0] and "wait for it to finish" in errors[0]
     assert first_s < 60, f"the refusal took {first_s:.0f}s"  # it starts no Ray
     return won
 
