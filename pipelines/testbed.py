@@ -52,7 +52,10 @@ METHODS = ("mist", "necessity", "sufficiency", "h2o", "crisp", "perplexity", "go
 POSITIONAL = ("head", "tail")
 # Variants beyond the paper (issue: keep one only where it wins here and on the GSM8K/MATH
 # proxies): name -> (scorer, its options).
-VARIANTS = {"mist_clipped": ("mist", {"layer_weights": "clipped"}),
+VARIANTS = {"mist": ("mist", {"layer_weights": "signed"}),  # the paper's MIST and its axes
+            "necessity": ("necessity", {"layer_weights": "signed"}),
+            "sufficiency": ("sufficiency", {"layer_weights": "signed"}),
+            "mist_clipped": ("mist", {"layer_weights": "clipped"}),  # the project's default
             # clipped weights and necessity against the chain's mean state
             "mist_mean": ("mist", {"layer_weights": "clipped", "ablation": "mean"}),
             # clipped weights, pruned by equations (UNIT_OF)
@@ -91,8 +94,9 @@ class Sizes:
     target_lr: float = 3e-3  # from scratch: a tiny model takes a large step
     ft_epochs: float = 2.0
     ft_lr: float = 1e-3
-    # The fine-tuning mixture (formats.sft_records): "sample", one γ per chain drawn by its
-    # id; "all", every chain at every γ (three times the records).
+    # The fine-tuning recipe: "sample", one γ per chain drawn by its id (formats.sft_records);
+    # "all", every chain at every γ (three times the records); "per_budget", one model per
+    # pruned γ on that γ's chains alone (γ = 1.0: the full-chain control).
     mix: str = "sample"
     unit: str = "token"  # the pruning unit (mist_core.prune.UNITS)
     shortest_k: int = 4  # samples per Phase 0 question for the shortest-of-k control
@@ -320,8 +324,9 @@ def arm_records(arm: str, chains: list[dict], compressed: dict | None, seed: int
 
 
 def run_arm(arm: str, target: Path, records: list[dict], test_rows: list[dict], sizes: Sizes,
-            seed: int, path: Path) -> dict:
-    """Fine-tune a fresh copy of the target on the arm's records and answer the test set."""
+            seed: int, path: Path, budgets=None) -> dict:
+    """Fine-tune a fresh copy of the target on the arm's records and answer the test set
+    under each of `budgets` (default: EVAL_BUDGETS, a control 1.0 alone)."""
     from mist_core.finetune import finetune
     from mist_core.generation import solve
     from mist_core.models import load_model
@@ -332,7 +337,7 @@ def run_arm(arm: str, target: Path, records: list[dict], test_rows: list[dict], 
                  batch_size=sizes.batch_size, seed=seed, log_every=50)
     t1 = time.time()
     lm = load_model(str(path))
-    budgets = EVAL_BUDGETS if arm not in CONTROLS else (1.0,)
+    budgets = budgets or (EVAL_BUDGETS if arm not in CONTROLS else (1.0,))
     out = {"records": len(records), "train_seconds": round(t1 - t0, 1), "budgets": {}}
     for g in budgets:
         solved = solve(lm, test_rows, budget=g, style=STYLE, max_new_tokens=sizes.max_new_tokens,
@@ -344,6 +349,25 @@ def run_arm(arm: str, target: Path, records: list[dict], test_rows: list[dict], 
             "correct": "".join("1" if r["correct"] else "0" for r in solved),
             "example": solved[0]["completion"]}
     out["solve_seconds"] = round(time.time() - t1, 1)
+    return out
+
+
+def run_per_budget(arm: str, target: Path, chains: list[dict], compressed: dict,
+                   test_rows: list[dict], sizes: Sizes, seed: int, root: Path, full: dict) -> dict:
+    """The per-budget recipe: one model per pruned γ, trained on that γ's chains alone
+    (directive in the prompt) and answering under it; γ = 1.0 is the full-chain control."""
+    from mist_core.formats import sft_prompt_completion
+
+    out = {"records": 0, "train_seconds": 0.0, "solve_seconds": 0.0,
+           "budgets": {"1.0": full["budgets"]["1.0"]}}
+    for g in TRAIN_BUDGETS:
+        records = [sft_prompt_completion(id=c["id"], question=c["question"], answer=c["answer"],
+                                         cot=compressed[c["id"]][g], budget=g)
+                   for c in chains if c["id"] in compressed]
+        one = run_arm(arm, target, records, test_rows, sizes, seed, root / f"{arm}@{g:g}", (g,))
+        out["budgets"][str(g)] = one["budgets"][str(g)]
+        for key in ("records", "train_seconds", "solve_seconds"):
+            out[key] += one[key]
     return out
 
 
@@ -397,8 +421,12 @@ def run_seed(seed: int, sizes: Sizes, methods, work: Path, tok) -> dict:
     for arm in list(CONTROLS) + list(methods):
         if arm in arms:
             continue
-        records = arm_records(arm, chains, compressed.get(arm), seed, sizes.mix, shortest)
-        arms[arm] = run_arm(arm, target_dir, records, test_rows, sizes, seed, root / arm)
+        if sizes.mix == "per_budget" and arm not in CONTROLS:
+            arms[arm] = run_per_budget(arm, target_dir, chains, compressed[arm], test_rows, sizes,
+                                       seed, root, arms["full_chain"])
+        else:
+            records = arm_records(arm, chains, compressed.get(arm), seed, sizes.mix, shortest)
+            arms[arm] = run_arm(arm, target_dir, records, test_rows, sizes, seed, root / arm)
         _save_json(state_path, state)
         acc = {g: round(v["accuracy"], 3) for g, v in arms[arm]["budgets"].items()}
         log.info("seed %d %s: accuracy %s (train %.0fs)", seed, arm, acc,
@@ -563,8 +591,11 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
         "corpus every method compresses.",
         f"- Phase 2: a copy of the target fine-tuned ({sizes.ft_epochs:g} epochs, lr "
         f"{sizes.ft_lr:g}, batch {sizes.batch_size}) on each method's mixture: "
-        + ("one γ per chain from {0.5, 0.7, 1.0}, drawn by the chain's id (the same for every "
-           "method)" if sizes.mix == "sample" else "every chain at each γ of {0.5, 0.7, 1.0}")
+        + {"sample": "one γ per chain from {0.5, 0.7, 1.0}, drawn by the chain's id (the same "
+                     "for every method)",
+           "all": "every chain at each γ of {0.5, 0.7, 1.0}",
+           "per_budget": "one model per γ of {0.5, 0.7}, on that γ's chains alone (γ = 1.0 is "
+                         "the full-chain control)"}[sizes.mix]
         + f", pruned by {sizes.unit}, the directive in the prompt below 1.0. Controls: "
         "`full_chain` (every chain whole, no directive), `no_chain` (the answer line alone) "
         f"and `shortest_of_k` (each question's shortest correct chain of {sizes.shortest_k} "
@@ -622,7 +653,7 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
                 lines.append(f"| {arm} | {g:g} | {_fmt(mi, 100)} | {ahead(mi)} |")
     lines += ["", "![accuracy against chain tokens](downstream.png)"]
     for variant, (base, _) in VARIANTS.items():
-        if variant in methods and base in methods:
+        if variant != base and variant in methods and base in methods:
             lines += ["", f"### {variant} − {base}, paired by seed", "",
                       "| γ | accuracy, points | chain tokens |", "|---|---|---|"]
             for g in EVAL_BUDGETS:
@@ -655,9 +686,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                    help=f"comma-separated (default: all of {','.join(METHODS)})")
     p.add_argument("--target-per-seed", action="store_true",
                    help="train a target per seed instead of one for all seeds (+12 min a seed)")
-    p.add_argument("--mix", choices=("sample", "all"), default=None,
-                   help="the fine-tuning mixture: one γ per chain (sample, the default) or "
-                        "every chain at every γ (all)")
+    p.add_argument("--mix", choices=("sample", "all", "per_budget"), default=None,
+                   help="the fine-tuning recipe: one γ per chain (sample, the default), every "
+                        "chain at every γ (all), or one model per pruned γ (per_budget)")
     p.add_argument("--ft-epochs", type=float, default=None,
                    help=f"fine-tuning epochs (default {FULL.ft_epochs:g})")
     p.add_argument("--unit", default=None, choices=("token", "word", "equation"),
