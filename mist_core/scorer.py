@@ -308,10 +308,15 @@ def eq7(per_layer, cbar, layer_weights: str = "signed"):
     """Eq. 7, one axis [T] from its per-layer terms [L, T] and Eq. 6's c̄ [L] (torch or
     numpy): Σ_l w_l·|term_l|, with w = c̄ as it is (signed, the paper) or max(c̄, 0)
     (clipped: a layer whose logit-lens contribution falls counts for nothing instead of
-    against a token)."""
-    w = cbar * (cbar > 0) if layer_weights == "clipped" else cbar
+    against a token). Where clipping leaves no signal (every token 0: no layer's c̄ is
+    positive, or only the last block's, whose state at a chain position has no path to the
+    answer), the axis would rank nothing, so the signed weights stand."""
     mag = per_layer.abs() if isinstance(per_layer, torch.Tensor) else np.abs(per_layer)
-    return (w[:, None] * mag).sum(0)
+    if layer_weights == "clipped":
+        clipped = ((cbar * (cbar > 0))[:, None] * mag).sum(0)
+        if clipped.any():
+            return clipped
+    return (cbar[:, None] * mag).sum(0)
 
 
 class MistScorer(BackpropScorer):
@@ -324,10 +329,12 @@ class MistScorer(BackpropScorer):
     axes: ("necessity", "sufficiency") or one of them; layers: block numbers 1..L to
     aggregate over (default all); share_prefix: continue the question prefix's cached keys
     and values in the source pass (None: where the cost model says it pays);
-    layer_weights: how Eq. 7 weighs the layers: "signed" (the paper: c̄_l as Eq. 6 gives
-    it, so a layer whose logit-lens contribution falls counts against a token) or "clipped"
-    (max(c̄_l, 0): such a layer counts for nothing), a variant the downstream testbed tries
-    (docs/results/downstream.md). `layer_weights` on the result is always Eq. 6's c̄.
+    layer_weights: how Eq. 7 weighs the layers: "clipped" (the default: max(c̄_l, 0), so a
+    layer whose logit-lens contribution falls counts for nothing) or "signed" (the paper:
+    c̄_l as Eq. 6 gives it, so such a layer counts against a token). Clipped is the default
+    because on GSM8K chains it keeps more of Eq. 1 and of the intermediate results than
+    the paper's weights (docs/results/units.md). `layer_weights` on the result is always
+    Eq. 6's c̄.
     ablation: necessity's baseline, "zero" (Eq. 4, the paper) or "mean" (the chain's mean
     state at the layer: ⟨∇h_i, h_i − h̄⟩), a variant the testbed tries."""
 
@@ -335,7 +342,7 @@ class MistScorer(BackpropScorer):
 
     def __init__(self, lm: LM, alpha: float = 0.6, axes: Sequence[str] = AXES,
                  layers: Sequence[int] | None = None, share_prefix: bool | None = None,
-                 layer_weights: str = "signed", ablation: str = "zero", **kwargs):
+                 layer_weights: str = "clipped", ablation: str = "zero", **kwargs):
         super().__init__(lm, **kwargs)
         self.share_prefix = share_prefix
         if ablation not in ABLATIONS:

@@ -25,7 +25,7 @@ from mist_core.formats import (DATA_COLUMNS, REJECT_SCHEMA, SCORES_SCHEMA, budge
 
 from . import errors, rows, runtime, storage
 from .job import lease, placement, stages
-from .settings import JobConfig, parse
+from .settings import MIST_FAMILY, JobConfig, parse
 from .errors import AccountingError, ConfigError, ErrorBudgetExceeded, causes
 from .job.output import Existing, Output
 from .job.budget import ErrorBudget, start_tally
@@ -157,6 +157,8 @@ def check_compatible(cfg: JobConfig, model_name: str, existing: Existing, out: O
         before.setdefault("layer_weights", "signed")
     for key in ("adapter", "columns", "unit", "alpha", "keep_digits", "template", "dtype",
                 "sft_format", "sft_mix", "seed", "layer_weights"):
+        if key == "layer_weights" and cfg.method not in MIST_FAMILY:
+            continue  # weighs MIST's layers only
         if key in before and before[key] != now[key]:
             problems.append(f"{key} {before[key]!r} vs {now[key]!r}")
     if problems:

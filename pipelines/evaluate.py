@@ -65,7 +65,9 @@ class EvalActor:
             torch.set_num_threads(self.cfg.threads or max(1, int(self.cfg.cpus_per_actor)))
         self.lm = load_model(self.cfg.model, dtype=self.cfg.dtype, device=device)
         common = dict(template=self.cfg.template, max_tokens=self.cfg.batch_tokens)
-        self.mist = get_scorer("mist", self.lm, alpha=self.cfg.alpha, **common)
+        # the paper's weights; mist_clipped (the project's default) from the same terms
+        self.mist = get_scorer("mist", self.lm, alpha=self.cfg.alpha, layer_weights="signed",
+                               **common)
         self.scorers, self.unavailable = {}, {}
         for name in self.cfg.methods:
             if name in BASELINES:

@@ -317,10 +317,11 @@ class JobConfig(Settings):
                         "a number is never cut in any unit", group="scoring",
                         choices=UNITS)
     layer_weights: str = setting(
-        "signed", "how MIST's Eq. 7 weighs the layers (mist, necessity, sufficiency): signed, "
-        "the paper's c̄_l; clipped, max(c̄_l, 0), a variant that trained better models on the "
-        "downstream testbed (docs/results/downstream.md)", group="scoring",
-        choices=("signed", "clipped"))
+        "clipped", "how MIST's Eq. 7 weighs the layers (mist, necessity, sufficiency): "
+        "clipped, max(c̄_l, 0), so a layer whose logit-lens contribution falls counts for "
+        "nothing (the default: it keeps more of the answer's likelihood and of the "
+        "intermediate results on GSM8K, docs/results/units.md); signed, the paper's c̄_l",
+        group="scoring", choices=("signed", "clipped"))
     keep_digits: bool = setting(False, "always keep tokens with digits (may exceed the budget)",
                                 group="scoring")
     trust_remote_code: bool = setting(
@@ -383,7 +384,8 @@ class JobConfig(Settings):
         return size
 
     def _check_more(self) -> None:
-        if self.layer_weights != "signed" and self.method not in MIST_FAMILY:
+        if (self.layer_weights != type(self).model_fields["layer_weights"].default
+                and self.method not in MIST_FAMILY):
             raise ConfigError(f"layer_weights is MIST's ({', '.join(MIST_FAMILY)}), not "
                               f"{self.method}'s")
         if self.device == "cuda" and self.gpus_per_actor == 0:
@@ -421,7 +423,7 @@ class EvalConfig(Settings):
                                    group="scoring", metavar="LIST")
     methods: list[str] = setting(list(_default_methods()), "methods to compare, comma-separated",
                                  group="scoring", metavar="LIST",
-                                 shown="all but the variant mist_clipped")
+                                 shown="all but greedy_ll (a forward pass per kept token per step)")
     unit: str = setting("token", "prune single tokens (the paper's ⌈γT⌉), whole words or "
                         "equations kept whole; a number is never cut in any unit",
                         group="scoring", choices=UNITS)

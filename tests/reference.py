@@ -25,7 +25,7 @@ def _answer_ll(model, ids, start, stop, deltas=None):
     return ll, out.hidden_states
 
 
-def first_order(lm, enc, alpha=0.6, ablation="zero"):
+def first_order(lm, enc, alpha=0.6, ablation="zero", layer_weights="signed"):
     model = lm.model
     L = len(model.model.layers)
     d = model.config.hidden_size
@@ -72,8 +72,13 @@ def first_order(lm, enc, alpha=0.6, ablation="zero"):
         for i, t in enumerate(range(cs, ce)):
             phi[l - 1, i] = float(g_src[l - 1][t] @ (h[l][t] - base))
             psi[l - 1, i] = float(g_tgt[l - 1][f] @ (h[l][t] - h_t_f[l - 1]))
-    nec = (cbar[:, None] * np.abs(phi)).sum(0)
-    suf = (cbar[:, None] * np.abs(psi)).sum(0)
+    def eq7(terms):  # clipped: max(c̄, 0), the signed c̄ where that leaves every token 0
+        clipped = (np.maximum(cbar, 0)[:, None] * np.abs(terms)).sum(0)
+        if layer_weights == "clipped" and np.any(clipped != 0):
+            return clipped
+        return (cbar[:, None] * np.abs(terms)).sum(0)
+
+    nec, suf = eq7(phi), eq7(psi)
 
     def z(v):
         return (v - v.mean()) / v.std()

@@ -35,7 +35,7 @@ def long_model(arch: str, dtype=torch.float64, vocab: int = 400):
 def assert_agrees_with_the_reference(scorer, examples, got):
     """Every field of each scored chain against the independent autograd computation (fp64)."""
     for ex, res in zip(examples, got):
-        ref = first_order(scorer.lm, scorer.encode(ex))
+        ref = first_order(scorer.lm, scorer.encode(ex), layer_weights=scorer.layer_weights)
         for name in FIELDS:
             np.testing.assert_allclose(getattr(res, name), ref[name], rtol=1e-5, atol=1e-9,
                                        err_msg=name)

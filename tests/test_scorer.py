@@ -9,7 +9,7 @@ FIELDS = ["necessity_per_layer", "sufficiency_per_layer", "layer_weights", "nece
 
 
 def test_first_order_equals_plain_autograd_fp64(tiny_lm64, examples):
-    scorer = MistScorer(tiny_lm64, alpha=0.6)
+    scorer = MistScorer(tiny_lm64, alpha=0.6, layer_weights="signed")  # the paper's
     results = scorer.score(examples)
     for ex, got in zip(examples, results):
         ref = first_order(tiny_lm64, scorer.encode(ex))
@@ -20,7 +20,7 @@ def test_first_order_equals_plain_autograd_fp64(tiny_lm64, examples):
 
 
 def test_first_order_equals_plain_autograd_fp32(tiny_lm, examples):
-    scorer = MistScorer(tiny_lm)
+    scorer = MistScorer(tiny_lm, layer_weights="signed")
     for ex, got in zip(examples, scorer.score(examples)):
         ref = first_order(tiny_lm, scorer.encode(ex))
         for name in ["necessity_per_layer", "sufficiency_per_layer", "layer_weights"]:
@@ -49,7 +49,8 @@ def test_mean_ablation_equals_plain_autograd_fp64(tiny_lm64, examples, share_pre
     scorer = MistScorer(tiny_lm64, ablation="mean", share_prefix=share_prefix)
     zero = MistScorer(tiny_lm64, share_prefix=share_prefix).score(examples)
     for ex, got, paper in zip(examples, scorer.score(examples), zero):
-        ref = first_order(tiny_lm64, scorer.encode(ex), ablation="mean")
+        ref = first_order(tiny_lm64, scorer.encode(ex), ablation="mean",
+                          layer_weights=scorer.layer_weights)
         for name in ["necessity_per_layer", "necessity", "sufficiency", "scores"]:
             np.testing.assert_allclose(getattr(got, name), ref[name], rtol=1e-5, atol=1e-9,
                                        err_msg=name)
@@ -59,18 +60,20 @@ def test_mean_ablation_equals_plain_autograd_fp64(tiny_lm64, examples, share_pre
 
 
 def test_clipped_layer_weights_drop_the_layers_that_count_against(tiny_lm64, examples):
-    """layer_weights="clipped" (a variant): Eq. 7 with max(c̄_l, 0), from the plain-autograd
+    """layer_weights="clipped" (the default): Eq. 7 with max(c̄_l, 0), from the plain-autograd
     reference's per-layer terms; the reported c̄ and per-layer terms are the paper's."""
-    clipped = MistScorer(tiny_lm64, layer_weights="clipped")
-    signed = MistScorer(tiny_lm64)
+    clipped = MistScorer(tiny_lm64)
+    assert clipped.layer_weights == "clipped"
+    signed = MistScorer(tiny_lm64, layer_weights="signed")
     negative = 0
     for ex, got, paper in zip(examples, clipped.score(examples), signed.score(examples)):
         ref = first_order(tiny_lm64, clipped.encode(ex))
-        w = np.maximum(ref["layer_weights"], 0)[:, None]
+        c = ref["layer_weights"]
         for axis in ("necessity", "sufficiency"):
-            np.testing.assert_allclose(getattr(got, axis),
-                                       (w * np.abs(ref[f"{axis}_per_layer"])).sum(0),
-                                       rtol=1e-5, atol=1e-9, err_msg=axis)
+            want = (np.maximum(c, 0)[:, None] * np.abs(ref[f"{axis}_per_layer"])).sum(0)
+            if not want.any():  # clipping left no signal: the signed weights stand
+                want = ref[axis]
+            np.testing.assert_allclose(getattr(got, axis), want, rtol=1e-5, atol=1e-9, err_msg=axis)
         np.testing.assert_allclose(got.layer_weights, paper.layer_weights, rtol=1e-10)
         negative += (ref["layer_weights"] < 0).any()
     assert negative  # some chain has a layer that counts against: the variants differ there
@@ -78,9 +81,26 @@ def test_clipped_layer_weights_drop_the_layers_that_count_against(tiny_lm64, exa
         MistScorer(tiny_lm64, layer_weights="absolute")
 
 
+def test_clipping_every_layer_away_leaves_the_signed_weights():
+    """Where clipped weights would score every token 0 (no positive c̄, or only the last
+    block's, whose chain states never reach the answer), a flat axis would be pruned by
+    position: the paper's signed weights stand instead."""
+    import torch
+
+    from mist_core.scorer import eq7
+
+    terms = np.array([[1.0, -2.0, 3.0], [0.5, 0.0, -1.0], [0.0, 0.0, 0.0]])
+    for cbar, clipped in (([-1.0, -0.5, 3.0], [-1.25, -2.0, -3.5]),  # signed: nothing left
+                          ([-1.0, 2.0, 3.0], [1.0, 0.0, 2.0])):
+        cbar = np.array(cbar)
+        np.testing.assert_allclose(eq7(terms, cbar, "clipped"), clipped)
+        np.testing.assert_allclose(eq7(torch.tensor(terms), torch.tensor(cbar), "clipped").numpy(), clipped)
+    np.testing.assert_allclose(eq7(terms, np.array([-1.0, 2.0, 3.0]), "signed"), [0.0, -2.0, -1.0])
+
+
 def test_layer_restriction_keeps_the_selected_rows(tiny_lm64, examples):
-    full = MistScorer(tiny_lm64).score(examples[:1])[0]
-    part = MistScorer(tiny_lm64, layers=[2, 4]).score(examples[:1])[0]
+    full = MistScorer(tiny_lm64, layer_weights="signed").score(examples[:1])[0]
+    part = MistScorer(tiny_lm64, layers=[2, 4], layer_weights="signed").score(examples[:1])[0]
     assert list(part.layers) == [2, 4]
     np.testing.assert_allclose(part.necessity_per_layer, full.necessity_per_layer[[1, 3]], rtol=1e-10)
     np.testing.assert_allclose(part.sufficiency_per_layer, full.sufficiency_per_layer[[1, 3]], rtol=1e-10)
@@ -95,12 +115,14 @@ def test_layer_restriction_keeps_the_selected_rows(tiny_lm64, examples):
 @pytest.mark.parametrize("wide", [True, False], ids=["fp64", "fp32"])
 def test_scores_do_not_depend_on_the_batch(tiny_lm, tiny_lm64, examples, wide):
     """Padding and masks are exact: in fp64 alone and batched agree to rounding; in fp32
-    what differs is only the GEMM summation order of another batch shape."""
+    what differs is only the GEMM summation order of another batch shape. (The paper's
+    signed weights: clipped ones leave these tiny random models' necessity at 1e-7 nats,
+    where log|necessity|'s z-scores amplify rounding to 1e-9.)"""
     lm = tiny_lm64 if wide else tiny_lm
     lengths = {len(MistScorer(lm).encode(e).source_ids) for e in examples}
     assert len(lengths) > 1  # the batch is really padded
-    alone = [MistScorer(lm).score([ex])[0] for ex in examples]
-    together = MistScorer(lm, max_batch=8).score(examples)
+    alone = [MistScorer(lm, layer_weights="signed").score([ex])[0] for ex in examples]
+    together = MistScorer(lm, max_batch=8, layer_weights="signed").score(examples)
     for a, b in zip(alone, together):
         assert a.id == b.id
         for name in FIELDS:

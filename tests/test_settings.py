@@ -85,9 +85,11 @@ def test_layer_weights_are_the_scorers_and_mist_only():
     from mist_core.scorer import LAYER_WEIGHTS
 
     assert JobConfig.model_fields["layer_weights"].json_schema_extra["choices"] == LAYER_WEIGHTS
-    assert JobConfig(method="necessity", layer_weights="clipped").layer_weights == "clipped"
+    assert JobConfig().layer_weights == "clipped"  # the project's default, not the paper's
+    assert JobConfig(method="necessity", layer_weights="signed").layer_weights == "signed"
+    assert JobConfig(method="h2o").method == "h2o"
     with pytest.raises(ConfigError, match="layer_weights is MIST's"):
-        JobConfig(method="h2o", layer_weights="clipped")
+        JobConfig(method="h2o", layer_weights="signed")
 
 
 def test_the_scoring_actor_builds_the_scorer_the_settings_name(model_dir):
@@ -113,10 +115,14 @@ def test_a_refresh_keeps_the_layer_weights_of_the_output():
         return SimpleNamespace(methods={"mist"}, models={"m"}, budgets={0.5},
                                manifest={"config": config})
 
-    clipped = JobConfig(budgets=[0.5], layer_weights="clipped")
+    clipped = JobConfig(budgets=[0.5])
     with pytest.raises(ConfigError, match="layer_weights 'signed' vs 'clipped'"):
         check_compatible(clipped, "m", existing({"unit": "word"}), out)
     check_compatible(clipped, "m", existing({"layer_weights": "clipped"}), out)
-    check_compatible(JobConfig(budgets=[0.5]), "m", existing({"unit": "word"}), out)
+    check_compatible(JobConfig(budgets=[0.5], layer_weights="signed"), "m",
+                     existing({"unit": "word"}), out)
+    h2o = SimpleNamespace(methods={"h2o"}, models={"m"}, budgets={0.5},
+                          manifest={"config": {"layer_weights": "signed"}})
+    check_compatible(JobConfig(budgets=[0.5], method="h2o"), "m", h2o, out)  # not h2o's setting
     empty = SimpleNamespace(methods=set(), models=set(), budgets=set(), manifest=None)
     check_compatible(clipped, "m", empty, out)  # a new output takes any
