@@ -77,6 +77,42 @@ def model_dir(tmp_path_factory, tokenizer):
     return path
 
 
+REMOTE_CODE = """\
+import os, pathlib
+pathlib.Path(os.environ["MIST_TEST_MARKER"]).write_text("remote code ran")
+from transformers import LlamaConfig
+
+
+class EvilConfig(LlamaConfig):
+    model_type = "evilllama"
+"""
+
+
+@contextlib.contextmanager
+def model_with_code(path, tokenizer, monkeypatch):
+    """A model folder at `path` whose config is custom Python (auto_map) that leaves a marker
+    file when imported; yields (path, marker). The marker's path and the modules cache are
+    in the environment, so that a command run as a subprocess inherits them. transformers
+    imports a folder's code as a module named after the folder, once a process: give each
+    test file its own folder name, or a second trusted load would not run the code again."""
+    import json
+
+    from pipelines import rows
+
+    make_model("llama", len(tokenizer), layers=1).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(model_type="evilllama", auto_map={"AutoConfig": "evil_config.EvilConfig"})
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "evil_config.py").write_text(REMOTE_CODE)
+    marker = path.parent / "marker"
+    monkeypatch.setenv("MIST_TEST_MARKER", str(marker))
+    monkeypatch.setenv("HF_MODULES_CACHE", str(path.parent / "modules"))
+    rows.template_for.cache_clear()
+    yield path, marker
+    rows.template_for.cache_clear()
+
+
 @contextlib.contextmanager
 def loopback_ray():
     """A local Ray with 2 CPUs on the loopback address, for a module's `local_ray` fixture

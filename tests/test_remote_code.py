@@ -20,39 +20,12 @@ from pipelines.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 
-EVIL = """\
-import os, pathlib
-pathlib.Path(os.environ["MIST_TEST_MARKER"]).write_text("remote code ran")
-from transformers import LlamaConfig
-
-
-class EvilConfig(LlamaConfig):
-    model_type = "evilllama"
-"""
-
-
 @pytest.fixture
 def evil_model(tmp_path, tokenizer, monkeypatch):
-    """A model folder whose config is custom Python (auto_map) that leaves a marker file
-    when imported; the marker's path and the modules cache are in the environment, so that
-    a command run as a subprocess inherits them."""
-    from conftest import make_model
+    from conftest import model_with_code
 
-    # Not test_security's folder name: transformers imports a folder's code as a module named
-    # after the folder, once a process, so a second test's trusted load would not run it again.
-    path = tmp_path / "folder-with-code"
-    make_model("llama", len(tokenizer), layers=1).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    config = json.loads((path / "config.json").read_text())
-    config.update(model_type="evilllama", auto_map={"AutoConfig": "evil_config.EvilConfig"})
-    (path / "config.json").write_text(json.dumps(config))
-    (path / "evil_config.py").write_text(EVIL)
-    marker = tmp_path / "marker"
-    monkeypatch.setenv("MIST_TEST_MARKER", str(marker))
-    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
-    rows.template_for.cache_clear()
-    yield path, marker
-    rows.template_for.cache_clear()
+    with model_with_code(tmp_path / "folder-with-code", tokenizer, monkeypatch) as made:
+        yield made
 
 
 def _loads_without_the_argument() -> list[str]:

@@ -15,35 +15,12 @@ from pipelines.settings import ConfigError, JobConfig, validate
 
 REPO = Path(__file__).resolve().parents[1]
 
-EVIL = """\
-import os, pathlib
-pathlib.Path(os.environ["MIST_TEST_MARKER"]).write_text("remote code ran")
-from transformers import LlamaConfig
-
-
-class EvilConfig(LlamaConfig):
-    model_type = "evilllama"
-"""
-
-
 @pytest.fixture
 def remote_code_model(tmp_path, tokenizer, monkeypatch):
-    """A model folder whose config is custom Python code that leaves a marker when run."""
-    from conftest import make_model
+    from conftest import model_with_code
 
-    path = tmp_path / "evil-model"
-    make_model("llama", len(tokenizer), layers=1).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    config = json.loads((path / "config.json").read_text())
-    config.update(model_type="evilllama", auto_map={"AutoConfig": "evil_config.EvilConfig"})
-    (path / "config.json").write_text(json.dumps(config))
-    (path / "evil_config.py").write_text(EVIL)
-    marker = tmp_path / "marker"
-    monkeypatch.setenv("MIST_TEST_MARKER", str(marker))
-    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
-    rows.template_for.cache_clear()
-    yield path, marker
-    rows.template_for.cache_clear()
+    with model_with_code(tmp_path / "evil-model", tokenizer, monkeypatch) as made:
+        yield made
 
 
 def test_remote_code_runs_only_with_the_flag(remote_code_model, tmp_path):
