@@ -1,11 +1,11 @@
 """Every reason a row or chain is rejected for, declared once with its words: the library's
-InvalidExample refuses an undeclared one, the job's rejects/ use these codes, and the README's
-table is generated from this module (a test checks it is current)."""
+InvalidExample refuses an undeclared one, the job's rejects/ use these codes, and the table of
+reasons in docs/guide/guarantees.md is generated from this module (a test checks it is current)."""
 from __future__ import annotations
 
 _TEXT_FIELDS = ("question", "cot", "answer", "solution")
 
-# Where each reason is decided: the README's table names the file, so that a reader finds
+# Where each reason is decided: the guide's table names the file, so that a reader finds
 # in one step where a row is rejected (a test checks that each file names its reasons).
 ROWS = "pipelines/rows.py"  # a raw corpus row read (the job, the evaluation, the loop)
 STAGES = "pipelines/job/stages.py"  # the job's stages: duplicates, score, prune
@@ -87,7 +87,7 @@ def words(reason: str) -> str:
 
 
 def markdown_table() -> str:
-    """The README's table of reasons."""
+    """The table of reasons in docs/guide/guarantees.md."""
     rows = ["| reason | meaning | decided in | counts against `--max-error-share` |",
             "|---|---|---|---|"]
     rows += [f"| `{r}` | {m.replace('<', '&lt;').replace('|', chr(92) + '|')} | "

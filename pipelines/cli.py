@@ -25,7 +25,7 @@ commands:
   model-path print the local folder (or hub id) of a model spec that from_pretrained and
              trainers load, e.g. `mist model-path smollm2-135m-instruct` (converts it once)
 
-the distillation loop (README: generate, compress, train, solve):
+the distillation loop (docs/guide/loop.md: generate, compress, train, solve):
   generate   sample k chains per question with a model, keep the correct ones as a corpus
              that `mist compress --adapter generic` reads
   train      fine-tune a model on a compression output's sft/ records (TRL, full or LoRA;

@@ -1,9 +1,11 @@
-"""The README, run. Every command line in its shell blocks is parsed by the program it calls
-(or, for commands that are not ours, checked to be one the README explains); the blocks a
-test machine can run are run as written, the ones that need the real SmolLM2 model marked
-slow. Python and YAML blocks must each be claimed by a test here, so the README and its
-tests cannot drift apart. What is only parsed needs what a test machine lacks: a cluster,
-a cloud bucket, the Hugging Face Hub, a GPU or hours of CPU."""
+"""The README and the user guide (docs/guide/*.md), run. Every command line in their shell
+blocks is parsed by the program it calls (or, for commands that are not ours, checked to be
+one the pages explain); the blocks a test machine can run are run as written, the ones that
+need the real SmolLM2 model marked slow. Python and YAML blocks must each be claimed by a test
+here, so the pages and their tests cannot drift apart; every relative link must point at a
+file (and heading) that exists, and the README stays a landing page of at most 200 lines.
+What is only parsed needs what a test machine lacks: a cluster, a cloud bucket, the Hugging
+Face Hub, a GPU or hours of CPU."""
 from __future__ import annotations
 
 import argparse
@@ -26,21 +28,83 @@ from conftest import loopback_ray
 from mist_core.demo import demo_corpus
 
 REPO = Path(__file__).resolve().parents[1]
-README = (REPO / "README.md").read_text(encoding="utf-8")
+GUIDE = REPO / "docs" / "guide"
+GUIDE_PAGES = ("job", "long-chains", "outputs", "cluster", "loop", "evaluation", "library",
+               "guarantees", "development")
+PAGES = [REPO / "README.md", *sorted(GUIDE.glob("*.md"))]  # the README first
+TEXT = {page: page.read_text(encoding="utf-8") for page in PAGES}
+README = TEXT[REPO / "README.md"]
 BIN = Path(sys.executable).parent
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+
+
+def name(page: Path) -> str:
+    return page.relative_to(REPO).as_posix()
+
+
+def page_blocks(page: Path, lang: str | None = None) -> list[tuple[str, str]]:
+    """(language, text) of every fenced code block of one page, in order."""
+    return [(k, t) for k, t in FENCE.findall(TEXT[page]) if lang is None or k == lang]
 
 
 def blocks(lang: str | None = None) -> list[tuple[str, str]]:
-    """(language, text) of every fenced code block, in order."""
-    found = re.findall(r"^```(\w*)\n(.*?)^```", README, re.M | re.S)
-    return [(k, t) for k, t in found if lang is None or k == lang]
+    """(language, text) of every fenced code block of every page, the README first."""
+    return [b for page in PAGES for b in page_blocks(page, lang)]
 
 
 def block(marker: str) -> str:
-    """The one code block that contains `marker`."""
+    """The one code block, on any page, that contains `marker`."""
     hits = [t for _, t in blocks() if marker in t]
-    assert len(hits) == 1, f"{len(hits)} README blocks contain {marker!r}"
+    assert len(hits) == 1, f"{len(hits)} blocks of the README and the guide contain {marker!r}"
     return hits[0]
+
+
+def test_the_readme_is_a_landing_page_and_the_guide_has_its_pages():
+    lines = README.count("\n")
+    assert lines <= 200, f"README.md has {lines} lines: move detail into docs/guide/"
+    assert sorted(p.stem for p in GUIDE.glob("*.md")) == sorted(GUIDE_PAGES)
+    for stem in GUIDE_PAGES:
+        page = GUIDE / f"{stem}.md"
+        first, *rest = TEXT[page].splitlines()
+        assert first.startswith("# "), f"{name(page)} does not start with its title"
+        assert "](../../README.md)" in "\n".join(rest[:3]), \
+            f"{name(page)}: no link back to the README"
+        assert f"](docs/guide/{stem}.md)" in README, f"the README does not link {name(page)}"
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    prose = FENCE.sub("", path.read_text(encoding="utf-8"))
+    return {slug(h) for h in re.findall(r"^#{1,6} (.+)$", prose, re.M)}
+
+
+def test_every_relative_link_points_at_a_file_that_exists():
+    shared = REPO.parent / "shared"  # the data and the paper's summary beside the checkout
+    broken, checked = [], 0
+    for page in PAGES:
+        prose = FENCE.sub("", TEXT[page])
+        for target in re.findall(r"\[[^\]]*\]\(([^)\s]+)\)", prose):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, fragment = target.partition("#")
+            where = (page.parent / path).resolve() if path else page
+            checked += 1
+            if not where.is_relative_to(REPO):
+                if not where.is_relative_to(shared):
+                    broken.append(f"{name(page)}: {target} leaves the checkout")
+                elif shared.is_dir() and not where.exists():
+                    broken.append(f"{name(page)}: {target} does not exist")
+                continue
+            if not where.exists():
+                broken.append(f"{name(page)}: {target} does not exist")
+            elif fragment and where.suffix == ".md" and fragment not in anchors(where):
+                broken.append(f"{name(page)}: {target} names no heading of {path or 'the page'}")
+    assert not broken, "broken links:\n" + "\n".join(broken)
+    assert checked >= 30
 
 
 # Python and YAML blocks, by a line each holds, and the test that runs or checks them.
@@ -53,10 +117,14 @@ CLAIMED = {
 
 
 def test_every_python_and_yaml_block_is_claimed():
-    for lang, text in blocks():
-        if lang in ("python", "yaml"):
-            assert any(m in text for m in CLAIMED), \
-                f"README {lang} block not run by a test:\n{text}"
+    for page in PAGES:
+        for lang, text in page_blocks(page):
+            if lang in ("python", "yaml"):
+                assert any(m in text for m in CLAIMED), \
+                    f"{name(page)}: {lang} block not run by a test:\n{text}"
+            if lang == "json":
+                for record in re.split(r"\n(?=\{)", text.strip()):
+                    json.loads(record)
     for marker in CLAIMED:
         block(marker)
 
@@ -115,9 +183,10 @@ def check_python(module: str, argv: list[str]) -> None:
 
 LOOP_MODULES = ("pipelines.generate", "pipelines.train", "pipelines.solve")
 MIST = {"compress": "pipelines.compress", "eval": "pipelines.evaluate", "bench": "pipelines.bench",
-        "soak": "pipelines.soak", "testbed": "pipelines.testbed",
+        "soak": "pipelines.soak", "testbed": "pipelines.testbed", "show": "pipelines.show",
+        "report": "pipelines.report", "saliency": "pipelines.saliency",
         **{m.split(".")[1]: m for m in LOOP_MODULES}}
-OTHER_PROGRAMS = {"ray", "source", "deactivate", "export"}  # the README says what each does
+OTHER_PROGRAMS = {"ray", "source", "deactivate", "export"}  # the pages say what each does
 
 
 def check_command(line: str) -> str:
@@ -155,28 +224,30 @@ def check_command(line: str) -> str:
     if program == "make":
         assert re.search(rf"^{re.escape(words[1])}:", (REPO / "Makefile").read_text(), re.M), line
         return "make"
-    if program == "benchmarks/gpu.sh":
+    if re.fullmatch(r"benchmarks/\w+\.sh", program):
         assert os.access(REPO / program, os.X_OK), line
         return "script"
-    assert program in OTHER_PROGRAMS, f"unknown program in README command: {line}"
+    assert program in OTHER_PROGRAMS, f"unknown program in a command: {line}"
     return "other"
 
 
 def test_every_command_line_parses(monkeypatch):
     monkeypatch.chdir(REPO)  # --config pipelines/configs/gsm8k.yaml and the like
     kinds, failures = [], []
-    for lang, text in blocks("bash"):
-        for line in commands(text):
-            try:
-                kinds.append(check_command(line))
-            except (Exception, SystemExit) as e:
-                failures.append(f"{line}\n    {type(e).__name__}: {e}")
-    assert not failures, "README commands that do not parse:\n" + "\n".join(failures)
-    assert kinds.count("python") >= 15 and "make" in kinds
+    for page in PAGES:
+        assert not page_blocks(page, "sh") and not page_blocks(page, "shell"), name(page)
+        for lang, text in page_blocks(page, "bash"):
+            for line in commands(text):
+                try:
+                    kinds.append(check_command(line))
+                except (Exception, SystemExit) as e:
+                    failures.append(f"{name(page)}: {line}\n    {type(e).__name__}: {e}")
+    assert not failures, "commands that do not parse:\n" + "\n".join(failures)
+    assert kinds.count("python") >= 30 and "make" in kinds and "script" in kinds
 
 
 def shell(script: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess:
-    """A README shell block as a user runs it inside the venv (its bin first on PATH, what
+    """A shell block of the pages as a user runs it inside the venv (its bin first on PATH, what
     `source .venv/bin/activate` does)."""
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
     env.pop("RAY_ADDRESS", None)
@@ -190,7 +261,7 @@ def shell(script: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess:
 def test_venv_block_runs_as_written():
     """The block that says how to run commands inside the venv, run in the checkout."""
     p = shell(block("source .venv/bin/activate"), REPO, timeout=300)
-    assert "usage: python -m pipelines.compress" in p.stdout and "model-path" in p.stdout
+    assert "usage: mist compress" in p.stdout and "model-path" in p.stdout
 
 
 # ------------------------------------------------------------------ recipes on an output
@@ -217,14 +288,14 @@ def workdir(tmp_path_factory, model_dir):
 
 
 def run_python(text: str, cwd: Path, monkeypatch) -> dict:
-    """Execute a README Python block in `cwd`; returns its variables."""
+    """Execute a Python block of the pages in `cwd`; returns its variables."""
     import datasets
 
     monkeypatch.chdir(cwd)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cwd / "hf-cache"))
     scope = {"__name__": "__readme__"}
     with redirect_stdout(StringIO()) as printed:
-        exec(compile(text, "README.md", "exec"), scope)
+        exec(compile(text, "<docs block>", "exec"), scope)
     scope["printed"] = printed.getvalue()
     return scope
 
@@ -235,11 +306,31 @@ def test_reading_and_training_recipes(workdir, model_dir, monkeypatch):
     assert read["data"].height == 6 * 2 and read["hf"].num_rows == 6 * 2
     assert read["table"].num_rows == 6 * 2 and read["sft"].num_rows == 6
     assert "('missing_column', 1)" in read["printed"]
-    # The model the README trains is SmolLM2, minutes of CPU: the tiny model stands in.
+    # The model the guide trains is SmolLM2, minutes of CPU: the tiny model stands in.
     train = block("trainer = SFTTrainer(").replace('"smollm2-135m-instruct"', repr(str(model_dir)))
     scope = run_python(train, workdir, monkeypatch)
     assert scope["trainer"].state.global_step >= 1
     assert all(p.requires_grad for p in scope["trainer"].model.parameters())
+
+
+def readme_records() -> list[dict]:
+    """The README's data/ row and sft/ record of the demo, as it shows them."""
+    return [json.loads(text) for lang, text in page_blocks(REPO / "README.md", "json")]
+
+
+@pytest.mark.integration
+def test_the_readme_row_and_record_have_the_jobs_columns(workdir):
+    import polars as pl
+
+    row, record = readme_records()
+    data = pl.read_parquet(workdir / "outputs/demo/data/*.parquet")
+    assert sorted(row) == sorted(data.columns)
+    first = next((workdir / "outputs/demo/sft").glob("*.jsonl")).read_text().splitlines()[0]
+    sft = json.loads(first)
+    assert sorted(record) == sorted(sft) and record["completion"][0]["content"].endswith(
+        "\n\nThe answer is " + row["answer"])
+    assert record["prompt"][0]["content"].endswith(
+        "\n\nPlease reduce 50% of the tokens in your CoT.") and row["budget"] == 0.5
 
 
 @pytest.mark.integration
@@ -256,7 +347,7 @@ def test_llamafactory_recipe(workdir, tmp_path):
 
 
 def outside_checkout(tmp_path: Path) -> Path:
-    """A working folder where `../shared` is this checkout's `../shared`, as in the README."""
+    """A working folder where `../shared` is this checkout's `../shared`, as in the docs."""
     (tmp_path / "shared").symlink_to(REPO.parent / "shared")
     (tmp_path / "work").mkdir()
     return tmp_path / "work"
@@ -265,17 +356,27 @@ def outside_checkout(tmp_path: Path) -> Path:
 @pytest.mark.slow
 @pytest.mark.integration
 def test_demo_then_recipes_as_written(tmp_path, monkeypatch):
-    """`make demo` is `python -m pipelines.compress` (the README says so): run it twice, as
-    the README's First run describes, then read its output as written. (Training SmolLM2 on
-    it takes minutes on CPU: test_reading_and_training_recipes trains the tiny model.)"""
+    """`make demo` is `mist compress` with no options (the README says so): run it twice, as
+    the guide's First run describes, then read its output as written, and find the README's
+    row in it. (Training SmolLM2 on it takes minutes on CPU: test_reading_and_training_recipes
+    trains the tiny model.)"""
     work = outside_checkout(tmp_path)
-    first = shell(block("make demo                      # =").split("# = ")[1].split("(")[0]
-                  .replace(".venv/bin/", ""), work, timeout=900)
+    assert "make demo" in commands(block("make demo "))
+    demo = re.search(r"^make demo +#.*the same as `(mist compress)` with no options",
+                     block("make demo "), re.M)
+    assert demo, block("make demo ")
+    first = shell(demo[1], work, timeout=900)
     assert "outputs/demo" in first.stdout and "48 examples x 5 budgets" in first.stdout
-    again = shell("python -m pipelines.compress", work, timeout=600)
+    again = shell(demo[1], work, timeout=600)
     assert "scored 0, rejected 0, already done 48" in again.stdout
     read = run_python(block("data = pl.read_parquet("), work, monkeypatch)
     assert read["data"].height == 48 * 5 and read["sft"].num_rows == 48
+    # The README's row, less what another machine's rounding could change (which tokens).
+    row = readme_records()[0]
+    [got] = read["data"].filter((read["data"]["id"] == row["id"])
+                                & (read["data"]["budget"] == row["budget"])).to_dicts()
+    for key in ("question", "cot", "answer", "kept_tokens", "cot_tokens", "cot_words", "topic"):
+        assert got[key] == row[key], key
 
 
 @pytest.mark.slow

@@ -101,7 +101,7 @@ def test_every_reason_the_code_names_is_declared():
 
 
 def test_each_reason_is_decided_where_the_table_says():
-    """The file the README names for a reason rejects with it: the code literally, its
+    """The file the guide's table names for a reason rejects with it: the code literally, its
     constant (SCORE_ERROR), or an f-string that makes it (f"empty_{field}")."""
     import re
     from pathlib import Path
@@ -119,11 +119,11 @@ def test_each_reason_is_decided_where_the_table_says():
             f"{where} does not reject with {reason}"
 
 
-def test_the_readme_table_of_reasons_is_current():
+def test_the_guides_table_of_reasons_is_current():
     from pathlib import Path
 
     from mist_core.reasons import markdown_table
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    table = "".join(f"  {line}\n" for line in markdown_table().splitlines())
-    assert table in readme, "regenerate the README's table from mist_core.reasons.markdown_table()"
+    page = Path(__file__).resolve().parents[1] / "docs" / "guide" / "guarantees.md"
+    assert markdown_table() in page.read_text(encoding="utf-8"), \
+        "regenerate the table in docs/guide/guarantees.md from mist_core.reasons.markdown_table()"
