@@ -21,7 +21,7 @@ from mist_core.examples import ADAPTERS
 from mist_core.formats import budget_label
 from mist_core.templates import TEMPLATES
 
-from . import errors
+from . import errors, page
 from .rows import parse_row
 from .errors import ConfigError
 from .settings import UNITS, parse_columns, parse_floats
@@ -78,10 +78,7 @@ def _rgba(cmap: str, x: float) -> str:
 def render_html(view: dict, caption: str) -> str:
     ex = view["example"]
     out = ["<!doctype html><meta charset='utf-8'><title>MIST saliency</title>",
-           "<style>body{font:14px/1.9 sans-serif;max-width:60em;margin:2em auto}"
-           ".c{font-family:monospace;white-space:pre-wrap;border:1px solid #ddd;padding:.5em}"
-           ".d{color:#bbb;text-decoration:line-through}.k{background:#b9e4b9}"
-           "span[title]{border-radius:2px}</style>",
+           f"<style>{page.STYLE}span[title]{{border-radius:2px}}</style>",
            "<h1>What MIST sees in one chain</h1>",
            f"<p>{html.escape(caption)}</p>",
            f"<p><b>Question.</b> {html.escape(ex.question)}<br><b>Answer.</b> {html.escape(ex.answer)}</p>",

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 from mist_core.formats import DATA_COLUMNS, budget_label
 
-from . import errors, storage
+from . import errors, page, storage
 
 # The name pipelines/job/output.py writes (not imported from there: it pulls in Ray).
 MANIFEST = "_manifest.json"
@@ -317,10 +317,7 @@ def render_text(p: Preview, width: int = 100, lines: int = 3, color: bool = Fals
     return "\n".join(out) + "\n"
 
 
-STYLE = ("body{font:14px/1.9 sans-serif;max-width:60em;margin:2em auto}"
-         ".c{font-family:monospace;white-space:pre-wrap;border:1px solid #ddd;padding:.5em}"
-         ".d{color:#bbb;text-decoration:line-through}.k{background:#b9e4b9}"
-         "table{border-collapse:collapse}td,th{padding:0 .8em;text-align:left}")
+STYLE = page.STYLE + "table{border-collapse:collapse}td,th{padding:0 .8em;text-align:left}"
 
 
 def render_html(p: Preview) -> str:
