@@ -5,8 +5,9 @@ the light modules (answers, formats, reasons, retention, stats) load without it:
 `python -m pipelines.report` and `mist --help` need no model."""
 from importlib import import_module
 
+from .adapters import get_adapter
 from .errors import InvalidExample, MissingDependency, MistError, NonFiniteScores, UnsupportedModel
-from .examples import Example, get_adapter
+from .examples import Example
 from .prune import Compressed, prune  # `prune` the function, not the module of that name
 from .templates import get_template
 

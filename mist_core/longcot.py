@@ -23,7 +23,8 @@ from __future__ import annotations
 from typing import Mapping
 
 from .errors import InvalidExample
-from .examples import Example, _field, _row_id, _text, last_boxed
+from .examples import Example, last_boxed
+from .fields import first_field, row_id, text_field
 
 # (opening, closing) tags of the thinking block, then of the solution (None: the solution is
 # the rest of the text). The opening thinking tag may be missing: DeepSeek-R1's chat template
@@ -68,46 +69,46 @@ def _exchange(turns: object, column: str, role: str, text: str) -> tuple[str, di
     if roles[-2:] != ["user", "assistant"] or any(r != "system" for r in roles[:-2]):
         raise InvalidExample(reason, f"needs system turns (optional), one user turn, one "
                              f"assistant turn; got {[t.get(role) for t in turns]}")
-    return _text(turns[-2].get(text), "question"), turns[-1]
+    return text_field(turns[-2].get(text), "question"), turns[-1]
 
 
 def openthoughts(row: Mapping) -> Example:
-    question, turn = _exchange(_field(row, "conversations"), "conversations", "from", "value")
-    thinking, solution = split_thinking(_text(turn.get("value"), "cot"))
+    question, turn = _exchange(first_field(row, "conversations"), "conversations", "from", "value")
+    thinking, solution = split_thinking(text_field(turn.get("value"), "cot"))
     return Example(question=question, cot=thinking, answer=_boxed(solution, "the solution"),
-                   id=_row_id(row))
+                   id=row_id(row))
 
 
 def messages(row: Mapping) -> Example:
-    question, turn = _exchange(_field(row, "messages"), "messages", "role", "content")
-    content = _text(turn.get("content"), "cot")
+    question, turn = _exchange(first_field(row, "messages"), "messages", "role", "content")
+    content = text_field(turn.get("content"), "cot")
     if turn.get("reasoning_content") is not None:
-        thinking, solution = _text(turn["reasoning_content"], "cot").strip(), content
+        thinking, solution = text_field(turn["reasoning_content"], "cot").strip(), content
     else:
         thinking, solution = split_thinking(content)
     return Example(question=question, cot=thinking, answer=_boxed(solution, "the reply"),
-                   id=_row_id(row))
+                   id=row_id(row))
 
 
 def s1k(row: Mapping) -> Example:
-    question = _text(_field(row, "question"), "question")
+    question = text_field(first_field(row, "question"), "question")
     if row.get("thinking_trajectories") is not None:
-        chain, attempt = row["thinking_trajectories"], _field(row, "attempt")
+        chain, attempt = row["thinking_trajectories"], first_field(row, "attempt")
     else:  # s1K-1.1: the DeepSeek-R1 traces, the ones s1.1 was trained on
-        chain = _field(row, "deepseek_thinking_trajectory", "thinking_trajectories")
-        attempt = _field(row, "deepseek_attempt", "attempt")
+        chain = first_field(row, "deepseek_thinking_trajectory", "thinking_trajectories")
+        attempt = first_field(row, "deepseek_attempt", "attempt")
     if isinstance(chain, str):
         chain = [chain]
     if not isinstance(chain, list) or not all(isinstance(c, str) for c in chain):
         raise InvalidExample("cot_not_string", "the thinking trajectory must be a string or a "
-                             "list of strings", _row_id(row))
+                             "list of strings", row_id(row))
     return Example(question=question, cot="\n".join(chain).strip(),
-                   answer=_boxed(_text(attempt, "answer"), "the attempt"), id=_row_id(row))
+                   answer=_boxed(text_field(attempt, "answer"), "the attempt"), id=row_id(row))
 
 
 def _flags(row: Mapping, column: str, n: int, required: bool = False) -> list:
     """A per-generation list of bools (None entries: not judged). Absent or null: all None."""
-    value = _field(row, column) if required else row.get(column)
+    value = first_field(row, column) if required else row.get(column)
     if value is None:
         return [None] * n
     if not isinstance(value, list) or len(value) != n or \
@@ -120,9 +121,9 @@ def _flags(row: Mapping, column: str, n: int, required: bool = False) -> list:
 def openr1(row: Mapping) -> list[Example]:
     """One example per generation that is marked correct and complete; a row with none is
     rejected as `no_correct_generation`, its detail saying why each generation was left."""
-    question = _text(_field(row, "problem", "question"), "question")
-    base = _row_id(row) if row.get("id") is not None else _row_id(row, "uuid")
-    generations = _field(row, "generations")
+    question = text_field(first_field(row, "problem", "question"), "question")
+    base = row_id(row) if row.get("id") is not None else row_id(row, "uuid")
+    generations = first_field(row, "generations")
     if not isinstance(generations, list) or not all(isinstance(g, str) for g in generations):
         raise InvalidExample("malformed_generations", "generations must be a list of strings",
                              base)
@@ -144,7 +145,7 @@ def openr1(row: Mapping) -> list[Example]:
             answer = last_boxed(solution)
             if answer is None or not answer.strip():
                 # The reference answer is what the generation was verified against.
-                answer = _text(reference, "answer") if reference is not None else ""
+                answer = text_field(reference, "answer") if reference is not None else ""
             out.append(Example(question=question, cot=thinking, answer=answer.strip(),
                                id=None if base is None else f"{base}#{i}"))
         except InvalidExample as e:

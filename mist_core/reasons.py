@@ -9,7 +9,8 @@ _TEXT_FIELDS = ("question", "cot", "answer", "solution")
 # in one step where a row is rejected (a test checks that each file names its reasons).
 ROWS = "pipelines/rows.py"  # a raw corpus row read (the job, the evaluation, the loop)
 STAGES = "pipelines/job/stages.py"  # the job's stages: duplicates, score, prune
-ADAPTERS = "mist_core/examples.py"  # the adapters: a row's fields
+FIELDS = "mist_core/fields.py"  # a row's fields, as the adapters read them
+ADAPTERS = "mist_core/examples.py"  # the adapters: an example's texts
 LONGCOT = "mist_core/longcot.py"  # the long-CoT adapters
 TEMPLATES = "mist_core/templates.py"  # tokenizing in the model's prompt template
 SCORER = "mist_core/scorer.py"
@@ -34,13 +35,14 @@ INPUT = {
         "column_collision": "two extra columns would pass through under one name (budget is "
                             "written as input_budget, and the row has that column too)"}),
     # a row's fields, as the adapter reads them
-    **_declare(ADAPTERS, {
+    **_declare(FIELDS, {
         "missing_column": "none of the columns the adapter reads for a field is in the row",
+        "empty_id": "the id column is empty"}),
+    **_declare(ADAPTERS, {
         **{f"{f}_not_string": f"{f} is not a string" for f in _TEXT_FIELDS},
         **{f"empty_{f}": f"{f} is empty or only whitespace" for f in _TEXT_FIELDS},
         **{f"null_byte_in_{f}": f"{f} contains a NUL character (U+0000)" for f in _TEXT_FIELDS},
-        "id_not_string": "the id column is neither a string nor an integer",
-        "empty_id": "the id column is empty"}),
+        "id_not_string": "the id column is neither a string nor an integer"}),
     **_declare(STAGES, {"duplicate_id": "the id repeats an earlier row's in this input"}),
     **_declare(ADAPTERS, {
         "no_final_answer": "the solution has no final answer (GSM8K's '####' line, a "

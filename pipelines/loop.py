@@ -15,7 +15,8 @@ import pyarrow as pa
 import ray
 
 from mist_core.errors import InvalidExample
-from mist_core.examples import _row_id, stable_id
+from mist_core.examples import stable_id
+from mist_core.fields import row_id
 
 from . import errors, runtime, storage
 from .rows import parse_examples, remote_code_refused
@@ -47,7 +48,7 @@ def _generic_question(obj: dict, columns: dict) -> tuple[str, str, str]:
         raise InvalidExample("empty_question" if isinstance(question, str) else "question_not_string")
     if not isinstance(answer, str) or not answer.strip():
         raise InvalidExample("empty_answer" if isinstance(answer, str) else "answer_not_string")
-    rid = _row_id(obj, columns.get("id", "id"))
+    rid = row_id(obj, columns.get("id", "id"))
     return rid or stable_id(question, "", answer), question, answer.strip()
 
 
@@ -203,7 +204,7 @@ def add_trust_remote_code(p: argparse.ArgumentParser) -> None:
 
 
 def add_questions(p: argparse.ArgumentParser) -> None:
-    from mist_core.examples import ADAPTERS
+    from mist_core.adapters import ADAPTERS
 
     p.add_argument("--input", nargs="+", required=True, metavar="URI",
                    help="question set: files or folders (local, s3://, gs://), hf://name[@split] "

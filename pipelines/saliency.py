@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mist_core.examples import ADAPTERS
+from mist_core.adapters import ADAPTERS
 from mist_core.formats import budget_label
 from mist_core.templates import TEMPLATES
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mist_core.examples import ADAPTERS
+from mist_core.adapters import ADAPTERS
 from mist_core.formats import SFT_ALIASES, SFT_FORMATS, SFT_MIXES, sft_format_name
 from mist_core.templates import TEMPLATES
 
