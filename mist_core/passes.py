@@ -18,7 +18,7 @@ every thread busy; on any device both run transformers' RMSNorms with their deri
 closed form (mist_core.norms), a few passes over the states where autograd's takes a dozen,
 and the gated MLPs' product keeping two of the three tensors autograd would (mist_core.swiglu).
 On a CPU a stored pass leaves what it frees in the process for the next one
-(memory.keep_freed), where a recomputed pass gives it back first (freed_to_the_system).
+(allocator.keep_freed), where a recomputed pass gives it back first (freed_to_the_system).
 
 Both give the same numbers. Callers see the states and the gradients through callbacks, layer
 by layer, so that neither the gradients of all layers nor anything beyond the pass itself is
@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from . import attention, memory
+from . import allocator, attention
 from .models import LM
 from .norms import fused_norms
 from .swiglu import fused_swiglu
@@ -93,7 +93,7 @@ def residual_pass(lm: LM, ids: torch.Tensor, spans: list[tuple[int, int]], *,
         return _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs,
                            plan)
     if grad_layers:  # the saved activations' pages, mapped once, serve the next pass too
-        memory.keep_freed(lm.device)
+        allocator.keep_freed(lm.device)
     with trace(lm, grad=bool(grad_layers), on_state=on_state) as tr, \
             attention.cpu_attention(lm) if grad_layers else nullcontext(), \
             fused_norms(lm) if grad_layers else nullcontext(), \
@@ -206,7 +206,7 @@ def _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_
                 plan):
     # fused_swiglu first: chunked_mlp's pieces then run its forward
     with fused_swiglu(lm), chunked_mlp(lm, enabled=plan.mlp_pieces), \
-            memory.freed_to_the_system(lm.device), unread_down_proj(lm), fused_norms(lm), \
+            allocator.freed_to_the_system(lm.device), unread_down_proj(lm), fused_norms(lm), \
             attention.cpu_attention(lm, min(plan.attention_kept, lm.n_layers - grad_layers[0])) \
             as kept:
         return _recomputed_pass(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv,

@@ -8,7 +8,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from . import attention, memory
+from . import allocator, attention, memory
 from .errors import InvalidExample, NonFiniteScores
 from .examples import Example
 from .models import LM
@@ -76,8 +76,8 @@ class Scorer:
     A batch that runs out of memory all the same is split in two and retried; a chain that
     cannot fit alone fails with InvalidExample (reason `too_long_for_memory`). On a CPU
     with glibc, what a stored pass frees stays in the process for the next pass
-    (memory.keep_freed), given back before a recomputed pass, when the process has grown
-    more than max_memory beyond the model, or by memory.release.
+    (allocator.keep_freed), given back before a recomputed pass, when the process has grown
+    more than max_memory beyond the model, or by allocator.release.
 
     max_tokens: padded token positions per forward pass; "auto": as many as max_memory
     holds with stored activations (4096 without a cap)."""
@@ -93,8 +93,8 @@ class Scorer:
         self.max_memory = memory.auto_cap(lm.device) if max_memory == "auto" else \
             memory.parse_bytes(max_memory)
         # what max_memory is beyond: the process with the model loaded and nothing kept
-        memory.release(lm.device)
-        self._resident = memory.resident()
+        allocator.release(lm.device)
+        self._resident = allocator.resident()
 
     @cached_property
     def template(self):
@@ -137,7 +137,7 @@ class Scorer:
             except Exception as e:
                 if not memory.is_out_of_memory(e):
                     raise
-                memory.release(self.lm.device)
+                allocator.release(self.lm.device)
                 if len(idx) == 1:
                     out[idx[0]] = self._too_long(batch[0], "ran out of memory even alone",
                                                  f": {str(e).splitlines()[0]}")
@@ -146,7 +146,7 @@ class Scorer:
             else:
                 for i, res in zip(idx, results):
                     out[i] = res
-                self._resident = memory.hold_at_most(self.lm.device, self.max_memory,
+                self._resident = allocator.hold_at_most(self.lm.device, self.max_memory,
                                                      self._resident)
                 return
         if len(idx) == 1:

@@ -22,37 +22,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mist_core import Example, MistScorer, get_adapter, load_model, memory, wrap_model
+from mist_core import Example, MistScorer, allocator, get_adapter, load_model
 from mist_core.exact import exact_scores_encoded
 from mist_core.scorer import shared_prefix
 from mist_core.templates import Encoded
 from mist_core.tracing import pad
 
+from .shapes import SHAPES, random_model
+
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
-# Shapes of public models, for speed measurements with random weights.
-SHAPES = {
-    "qwen2.5-1.5b": dict(arch="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936),
-    "qwen2.5-7b": dict(arch="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064),
-    "tiny": dict(arch="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
-}
 PEAK_FLOPS = {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}  # H200 SXM, dense
-
-
-def random_model(shape: str, dtype: str, device: str, context: int = 4096):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    spec = dict(SHAPES[shape])
-    config = AutoConfig.for_model(spec.pop("arch"), max_position_embeddings=context,
-                                  tie_word_embeddings=False, **spec)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype),
-                                                 attn_implementation="sdpa")
-    return wrap_model(model, None, f"random:{shape}")
 
 
 def synthetic_encoded(n: int, chain_tokens: int, vocab: int, seed: int = 0) -> list[Encoded]:
@@ -177,7 +157,7 @@ def bench(args) -> dict:
     # do: with glibc's defaults each forward maps its logits anew (GSM8K, 64 chains, 4 KB
     # pages: 0.2-1.9M page faults and 0.7-3 s of system time a fair forward), which would
     # flatter the scorer.
-    memory.keep_freed(lm.device)
+    allocator.keep_freed(lm.device)
     t_fwd = timed(lambda: plain_forward(lm, encoded, batches, head=True), args.repeats, args.device,
                   lambda: plain_forward(lm, encoded, warm, head=True))
     t_body = timed(lambda: plain_forward(lm, encoded, batches, head=False), args.repeats, args.device,

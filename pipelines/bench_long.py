@@ -86,7 +86,7 @@ def _sync(device):
 def worker(spec: dict) -> dict:
     """One measurement in this process: `what` is time, score (memory) or forward (memory)."""
     from mist_core import MistScorer, load_model
-    from pipelines.bench import random_model
+    from pipelines.shapes import random_model
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
@@ -196,7 +196,7 @@ def sweep(args) -> dict:
     forward. `--code DIR` measures another checkout's mist_core (before/after)."""
     env = dict(os.environ)
     if torch.device(args.device).type == "cpu":  # as the job's CPU actors run
-        from mist_core.memory import cpu_scoring_env
+        from mist_core.allocator import cpu_scoring_env
 
         env.update(cpu_scoring_env())
     rows = []

@@ -57,7 +57,7 @@ def test_max_memory_rejects_only_what_cannot_fit_alone(local_ray, model_dir, tmp
 
 
 def test_cpu_model_actors_start_with_huge_page_allocation(local_ray, monkeypatch):
-    """A CPU model actor's process starts with mist_core.memory.CPU_SCORING_ENV, so torch's
+    """A CPU model actor's process starts with mist_core.allocator.CPU_SCORING_ENV, so torch's
     first allocation already reads it: a large CPU tensor's mapping is advised to take huge
     pages (`hg` among its VmFlags in /proc/self/smaps; the flag comes from a kernel with
     transparent huge pages, as Linux distributions build it)."""
@@ -65,7 +65,7 @@ def test_cpu_model_actors_start_with_huge_page_allocation(local_ray, monkeypatch
 
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)  # the driver's value would win
 
-    from mist_core import memory
+    from mist_core import allocator
     from pipelines import runtime
 
     class Probe:  # defined here so that Ray ships it by value
@@ -91,6 +91,6 @@ def test_cpu_model_actors_start_with_huge_page_allocation(local_ray, monkeypatch
                                           **runtime.actor_resources(1, 0))
     rows = probe.take_all()
     assert len(rows) == 2
-    assert all(r["env"] == memory.CPU_SCORING_ENV["THP_MEM_ALLOC_ENABLE"] for r in rows)
+    assert all(r["env"] == allocator.CPU_SCORING_ENV["THP_MEM_ALLOC_ENABLE"] for r in rows)
     assert all(r["advised"] for r in rows)
     assert "runtime_env" not in runtime.actor_resources(1, 1)  # a GPU actor as before

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from mist_core import InvalidExample, MistScorer, memory
+from mist_core import InvalidExample, MistScorer, allocator, memory
 from mist_core.baselines import GoGIScorer
-from mist_core.memory import CPU_SCORING_ENV, Footprint, cpu_scoring_env, measure, parse_bytes
+from mist_core.allocator import CPU_SCORING_ENV, cpu_scoring_env
+from mist_core.memory import Footprint, measure, parse_bytes
 from mist_core.passes import Plan
 from pipelines.bench import synthetic_encoded
 from reference import first_order
@@ -299,12 +300,12 @@ def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-@pytest.mark.skipif(memory._glibc() is None, reason="the allocator kept is glibc's")
+@pytest.mark.skipif(allocator.glibc() is None, reason="the allocator kept is glibc's")
 def test_stored_passes_map_their_pages_once_until_released():
     lm = wide_model()
     enc = synthetic_encoded(1, 1500, vocab=300)
     scorer = MistScorer(lm, recompute=False, max_memory=None)
-    memory.release(lm.device)  # as a process that never scored
+    allocator.release(lm.device)  # as a process that never scored
     faults = []
     for _ in range(3):
         before = minor_faults()
@@ -312,35 +313,35 @@ def test_stored_passes_map_their_pages_once_until_released():
         faults.append(minor_faults() - before)
     # the first pass maps its ~100 MB (25k pages of 4 KB, fewer where huge); later ones reuse it
     assert faults[0] > 2000 and faults[2] < faults[0] / 10, faults
-    kept = memory.resident()
-    memory.release(lm.device)
-    assert memory.resident() < kept - 50 * 2**20
+    kept = allocator.resident()
+    allocator.release(lm.device)
+    assert allocator.resident() < kept - 50 * 2**20
     before = minor_faults()
     np.testing.assert_array_equal(scorer.score_encoded(enc)[0].scores, first)
     assert minor_faults() - before > faults[0] / 2  # given back: mapped anew
 
 
-@pytest.mark.skipif(memory._glibc() is None, reason="the allocator kept is glibc's")
+@pytest.mark.skipif(allocator.glibc() is None, reason="the allocator kept is glibc's")
 def test_what_stored_passes_kept_goes_back_over_the_cap_and_before_a_recomputed_pass():
     lm = wide_model()
     enc = synthetic_encoded(1, 1500, vocab=300)
     MistScorer(lm, recompute=False, max_memory=None).score_encoded(enc)
-    kept = memory.resident()
-    with memory.freed_to_the_system(lm.device):
-        assert memory.resident() < kept - 50 * 2**20
-    memory.release(lm.device)
-    base = memory.resident()
+    kept = allocator.resident()
+    with allocator.freed_to_the_system(lm.device):
+        assert allocator.resident() < kept - 50 * 2**20
+    allocator.release(lm.device)
+    base = allocator.resident()
     MistScorer(lm, recompute=False, max_memory=None).score_encoded(enc)
-    kept = memory.resident()
+    kept = allocator.resident()
     assert kept > base + 50 * 2**20
-    assert memory.hold_at_most(lm.device, None, base) == base
-    assert memory.hold_at_most(lm.device, kept - base, base) == base  # within: kept
-    assert memory.resident() > kept - 2**20
+    assert allocator.hold_at_most(lm.device, None, base) == base
+    assert allocator.hold_at_most(lm.device, kept - base, base) == base  # within: kept
+    assert allocator.resident() > kept - 2**20
     # a cap below what its pass kept (the plan forced past it): the scorer gives it back
     scorer = forced(MistScorer(lm, max_memory=20 * 2**20), Plan())
     scorer.score_encoded(enc)
-    assert memory.resident() < base + 20 * 2**20
-    assert abs(scorer._resident - memory.resident()) < 2**20  # based anew
+    assert allocator.resident() < base + 20 * 2**20
+    assert abs(scorer._resident - allocator.resident()) < 2**20  # based anew
 
 
 def test_parse_bytes():
