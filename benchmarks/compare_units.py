@@ -40,12 +40,20 @@ SCORERS = {"mist": ("mist", {"layer_weights": "signed"}), "mist_clipped": ("mist
            "mist_mean": ("mist", {"layer_weights": "clipped", "ablation": "mean"})}
 UNIT_METHODS = ("mist", "mist_clipped", "h2o")  # at every unit
 WORD_METHODS = ("crisp", "mist_mean", "hybrid")  # at the job's default unit only
-ARMS = [(m, u) for m in UNIT_METHODS for u in ("subword",) + UNITS] + [(m, "word") for m in WORD_METHODS]
+ALL_UNITS = ("subword",) + UNITS
 MEASURES = ("numbers_cut", "kept", "drop", "accuracy", "results", "equations")
 PAIRS = [((m, "equation"), (m, "word")) for m in UNIT_METHODS] + \
         [((m, "word"), (m, "token")) for m in UNIT_METHODS] + \
         [((m, "token"), (m, "subword")) for m in UNIT_METHODS] + \
-        [((m, "word"), ("mist", "word")) for m in ("mist_clipped", "h2o") + WORD_METHODS]
+        [((m, "word"), ("mist", "word")) for m in ("mist_clipped", "h2o") + WORD_METHODS] + \
+        [((m, "word"), ("h2o", "word")) for m in ("mist_clipped", "mist_mean", "hybrid", "crisp")] + \
+        [((m, "word"), ("mist_clipped", "word")) for m in ("mist_mean", "hybrid")]
+
+
+def arms(units) -> list[tuple[str, str]]:
+    """(method, unit) pairs: the unit methods at each unit asked for, the word methods at word."""
+    return [(m, u) for m in UNIT_METHODS for u in units] + \
+        ([(m, "word") for m in WORD_METHODS] if "word" in units else [])
 
 
 def subword_mask(scores: np.ndarray, budget: float) -> np.ndarray:
@@ -60,11 +68,11 @@ def equations_kept(cot: str, offsets: np.ndarray, kept: np.ndarray) -> tuple[int
     return whole, len(spans)
 
 
-def measure_chain(lm, enc, scores: dict, budgets) -> dict:
+def measure_chain(lm, enc, scores: dict, budgets, arms) -> dict:
     """{"method/unit/γ": {measure: value}} for one chain, and its two ends' LLs."""
     offsets, cot = enc.chain_offsets, enc.example.cot
     masks = {"full": np.ones(enc.chain_len, bool), "nochain": NOCHAIN}
-    for method, unit in ARMS:
+    for method, unit in arms:
         s = scores[method]
         if unit == "subword":
             for g in budgets:
@@ -112,6 +120,8 @@ def summarise(per_chain: list[dict], budgets) -> dict:
         table[name]["numbers_cut_total"] = int(np.nansum(_col(per_chain, name, "numbers_cut")))
     paired = {}
     for (a, ua), (b, ub) in PAIRS:
+        if f"{a}/{ua}/{budgets[0]}" not in table or f"{b}/{ub}/{budgets[0]}" not in table:
+            continue
         for g in budgets:
             key = f"{a}/{ua} − {b}/{ub}/{g}"
             paired[key] = {m: ci_mean(_col(per_chain, f"{a}/{ua}/{g}", m)
@@ -134,7 +144,7 @@ def render(result: dict, budgets) -> str:
              "and `equation` are `mist_core.prune`'s units, numbers whole in each.", "",
              "| method | unit | γ | numbers cut | tokens kept % | Eq. 1 drop, nats | Eq. 1 retention % "
              "| accuracy % | results kept % | equations kept % |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for method, unit in ARMS:
+    for method, unit in arms(head["units"]):
         for g in budgets:
             t = result["table"][f"{method}/{unit}/{g}"]
             lines.append(f"| {method} | {unit} | {g} | {t['numbers_cut_total']} | {cell(t['kept'])} | "
@@ -155,8 +165,22 @@ def main(argv=None) -> int:
     p.add_argument("--chains", type=int, default=30)
     p.add_argument("--budgets", default="0.3,0.5,0.7,0.9")
     p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--units", default=",".join(ALL_UNITS),
+                   help=f"comma-separated, of {', '.join(ALL_UNITS)}")
     p.add_argument("--out", default="docs/results")
+    p.add_argument("--summarise", metavar="UNITS_JSON",
+                   help="no scoring: the tables again from a run's stored per-chain values")
     a = p.parse_args(argv)
+    if a.summarise:
+        stored = json.loads(Path(a.summarise).read_text())
+        result = {**summarise(stored["chains"], stored["meta"]["budgets"]),
+                  "meta": stored["meta"], "chains": stored["chains"]}
+        Path(a.summarise).write_text(json.dumps(result, indent=None) + "\n")
+        Path(a.summarise).with_suffix(".md").write_text(render(result, stored["meta"]["budgets"]))
+        return 0
+    units = tuple(a.units.split(","))
+    if not set(units) <= set(ALL_UNITS):
+        p.error(f"--units: each of {', '.join(ALL_UNITS)}")
     budgets = [float(g) for g in a.budgets.split(",")]
     t0 = time.time()
     lm = load_model(a.model)
@@ -170,12 +194,12 @@ def main(argv=None) -> int:
                         for m, h in zip(scores["mist_clipped"], scores["h2o"])]
     per_chain = []
     for i, enc in enumerate(encoded):
-        per_chain.append(measure_chain(lm, enc, {m: v[i] for m, v in scores.items()}, budgets))
+        per_chain.append(measure_chain(lm, enc, {m: v[i] for m, v in scores.items()}, budgets, arms(units)))
         print(f"chain {i + 1}/{len(encoded)} measured, {time.time() - t0:.0f} s", file=sys.stderr)
     result = summarise(per_chain, budgets)
     result["meta"] = {"command": "python benchmarks/compare_units.py " + " ".join(sys.argv[1:] if argv is None else argv),
                       "chains": len(examples), "numbers": sum(len(NUMBER.findall(ex.cot)) for ex in examples),
-                      "model": lm.name, "budgets": budgets, "seconds": time.time() - t0}
+                      "model": lm.name, "budgets": budgets, "units": units, "seconds": time.time() - t0}
     result["chains"] = per_chain
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
