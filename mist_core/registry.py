@@ -1,7 +1,11 @@
-"""Scorers by name: MIST, its one-axis ablations and the paper's baselines."""
+"""Scorers by name (MIST, its one-axis ablations and the paper's baselines), and Scoring: the
+one place a method and its options become a scorer, for every command and actor."""
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
 from .models import LM
+from .choices import ABLATIONS, ALPHA, LAYER_WEIGHTS, OPTIONS
 from .scorer import MistScorer, Scorer
 
 
@@ -22,6 +26,9 @@ def _factories():
     }
 
 
+COMMON = ("template", "max_tokens", "max_batch", "max_memory")
+
+
 def scorer_names() -> list[str]:
     return list(_factories())
 
@@ -32,3 +39,54 @@ def get_scorer(name: str, lm: LM, **kwargs) -> Scorer:
     if name not in factories:
         raise ValueError(f"unknown method {name!r}; choose from {', '.join(factories)}")
     return factories[name](lm, **kwargs)
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How chains are scored: a method and its options. Each option a method does not take
+    (OPTIONS) must keep its default, so that a setting never passes unused.
+
+    Args:
+        method: a name of scorer_names().
+        alpha: MIST's necessity weight in Eq. 8, in [0, 1] (mist only).
+        layer_weights: Eq. 7's layer weights, one of LAYER_WEIGHTS (the MIST family).
+        ablation: necessity's baseline state, one of ABLATIONS (mist, necessity).
+        seed: the uniform baseline's random seed.
+        template: the prompt template's name (templates.get_template).
+        max_tokens: padded tokens per forward pass, or "auto".
+        max_batch: chains per forward pass at most.
+        max_memory: the scorer's memory cap in bytes, "auto" (90% of the free GPU memory,
+            60% of the available CPU memory) or None (no cap).
+
+    Raises:
+        ValueError: an unknown method, or an option the method does not take set away
+            from its default."""
+    method: str = "mist"
+    alpha: float = ALPHA
+    layer_weights: str = LAYER_WEIGHTS[0]
+    ablation: str = ABLATIONS[0]
+    seed: int = 0
+    template: str = "auto"
+    max_tokens: int | str = 4096
+    max_batch: int = 32
+    max_memory: int | str | None = "auto"
+
+    def __post_init__(self):
+        if self.method not in _factories():
+            raise ValueError(f"unknown method {self.method!r}; choose from "
+                             f"{', '.join(_factories())}")
+        default = Scoring.__dataclass_fields__
+        unused = [k for k in ("alpha", "layer_weights", "ablation", "seed")
+                  if k not in OPTIONS.get(self.method, ()) and getattr(self, k) != default[k].default]
+        if unused:
+            raise ValueError(f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} not "
+                             f"an option of {self.method}")
+
+    def options(self) -> dict:
+        """The keyword arguments the method's constructor takes."""
+        values = asdict(self)
+        return {k: values[k] for k in COMMON + OPTIONS.get(self.method, ())}
+
+    def scorer(self, lm: LM) -> Scorer:
+        """The scorer these settings name, on `lm`."""
+        return get_scorer(self.method, lm, **self.options())

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from . import allocator, attention, memory
+from .choices import ABLATIONS, ALPHA, LAYER_WEIGHTS
 from .errors import InvalidExample, NonFiniteScores
 from .examples import Example
 from .models import LM
@@ -298,10 +299,8 @@ def combine(necessity: np.ndarray | None, sufficiency: np.ndarray | None,
     return alpha * nec + (1.0 - alpha) * suf
 
 
-LAYER_WEIGHTS = ("signed", "clipped")
-# Necessity's baseline state: zero (Eq. 4, the paper: h_i erased) or the chain's mean state
-# at that layer (h_i replaced by what a typical chain token carries there).
-ABLATIONS = ("zero", "mean")
+# Necessity's baseline state (ABLATIONS): zero (Eq. 4, the paper: h_i erased) or the chain's
+# mean state at that layer (h_i replaced by what a typical chain token carries there).
 
 
 def eq7(per_layer, cbar, layer_weights: str = "signed"):
@@ -340,9 +339,9 @@ class MistScorer(BackpropScorer):
 
     method = "mist"
 
-    def __init__(self, lm: LM, alpha: float = 0.6, axes: Sequence[str] = AXES,
+    def __init__(self, lm: LM, alpha: float = ALPHA, axes: Sequence[str] = AXES,
                  layers: Sequence[int] | None = None, share_prefix: bool | None = None,
-                 layer_weights: str = "clipped", ablation: str = "zero", **kwargs):
+                 layer_weights: str = LAYER_WEIGHTS[0], ablation: str = ABLATIONS[0], **kwargs):
         super().__init__(lm, **kwargs)
         self.share_prefix = share_prefix
         if ablation not in ABLATIONS:

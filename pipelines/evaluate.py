@@ -58,7 +58,8 @@ class EvalActor:
     def __init__(self, cfg: EvalConfig, device: str = "cpu"):
         import torch
 
-        from mist_core import get_scorer, load_model
+        from mist_core import load_model
+        from mist_core.registry import Scoring
 
         self.cfg = cfg
         if device == "cpu":
@@ -66,14 +67,14 @@ class EvalActor:
         self.lm = load_model(self.cfg.model, dtype=self.cfg.dtype, device=device)
         common = dict(template=self.cfg.template, max_tokens=self.cfg.batch_tokens)
         # the paper's weights; mist_clipped (the project's default) from the same terms
-        self.mist = get_scorer("mist", self.lm, alpha=self.cfg.alpha, layer_weights="signed",
-                               **common)
+        self.mist = Scoring("mist", alpha=self.cfg.alpha, layer_weights="signed",
+                            **common).scorer(self.lm)
         self.scorers, self.unavailable = {}, {}
         for name in self.cfg.methods:
             if name in BASELINES:
                 try:
                     extra = {"seed": self.cfg.seed} if name == "uniform" else {}
-                    self.scorers[name] = get_scorer(name, self.lm, **common, **extra)
+                    self.scorers[name] = Scoring(name, **common, **extra).scorer(self.lm)
                 except MissingDependency as e:
                     self.unavailable[name] = str(e)
         self.exact_layers = self.cfg.exact_layers or default_exact_layers(self.lm.n_layers)

@@ -15,7 +15,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mist_core.adapters import ADAPTERS
+from mist_core.choices import ALPHA, LAYER_WEIGHTS, OPTIONS
 from mist_core.formats import SFT_ALIASES, SFT_FORMATS, SFT_MIXES, sft_format_name
+from mist_core.prune import UNITS
 from mist_core.templates import TEMPLATES
 
 from .errors import ConfigError
@@ -24,8 +26,7 @@ DEFAULT_BUDGETS = [0.5, 0.6, 0.7, 0.8, 0.9]
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEVICES = ("auto", "cpu", "cuda")
 FORMATS = ("auto", "jsonl", "parquet")
-UNITS = ("word", "token", "equation")  # mist_core.prune.UNITS, without importing torch here
-MIST_FAMILY = ("mist", "necessity", "sufficiency")  # the scorers that take alpha, layer_weights
+MIST_FAMILY = tuple(m for m, o in OPTIONS.items() if "layer_weights" in o)  # MIST and its axes
 
 
 def setting(default: Any = ..., help: str = "", *, group: str, metavar: str | None = None,
@@ -175,7 +176,7 @@ class Settings(BaseModel):
         choices=TEMPLATES)
     dtype: str = setting("float32", "model precision; float32 is the paper's", group="scoring",
                          choices=DTYPES)
-    alpha: float = setting(0.6, "MIST's necessity weight, in [0, 1]", group="scoring")
+    alpha: float = setting(ALPHA, "MIST's necessity weight, in [0, 1]", group="scoring")
     budgets: list[float] = setting(DEFAULT_BUDGETS, "retention budgets γ, comma-separated",
                                    group="scoring", metavar="LIST")
     actors: tuple[int, int] = setting(
@@ -321,7 +322,7 @@ class JobConfig(Settings):
         "clipped, max(c̄_l, 0), so a layer whose logit-lens contribution falls counts for "
         "nothing (the default: it keeps more of the answer's likelihood and of the "
         "intermediate results on GSM8K, docs/results/units.md); signed, the paper's c̄_l",
-        group="scoring", choices=("signed", "clipped"))
+        group="scoring", choices=LAYER_WEIGHTS)
     keep_digits: bool = setting(False, "always keep tokens with digits (may exceed the budget)",
                                 group="scoring")
     trust_remote_code: bool = setting(
@@ -382,6 +383,17 @@ class JobConfig(Settings):
         if size is not None and size < 1:
             raise ConfigError(f"max_memory must be a positive size, got {size} bytes")
         return size
+
+    def scoring(self):
+        """The mist_core.registry.Scoring these settings name: the one translation of the
+        job's settings into a scorer (`cfg.scoring().scorer(lm)`)."""
+        from mist_core.registry import Scoring
+
+        taken = OPTIONS.get(self.method, ())
+        return Scoring(method=self.method, template=self.template, max_tokens=self.batch_tokens,
+                       max_batch=self.batch_size,
+                       max_memory="auto" if self.max_memory is None else self.max_memory,
+                       **{k: getattr(self, k) for k in ("alpha", "layer_weights") if k in taken})
 
     def _check_more(self) -> None:
         if (self.layer_weights != type(self).model_fields["layer_weights"].default

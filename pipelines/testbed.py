@@ -186,7 +186,6 @@ def score_and_prune(lm, chains: list[dict], methods, seed: int, unit: str = "tok
     from mist_core.evaluation import positional_scores
     from mist_core.examples import Example
     from mist_core.prune import prune
-    from mist_core.registry import get_scorer
     from mist_core.scorer import ScoredChain
     from mist_core.synthetic import Step, needed_spans, precision_recall, token_mask
     from mist_core.templates import get_template
@@ -240,7 +239,7 @@ def _scored(method: str, lm, encoded, needed, equals, seed: int, cache: dict) ->
     """One method's ScoredChains (or InvalidExample per chain it could not score); scorings
     that another method reuses are kept in `cache`."""
     from mist_core.evaluation import positional_scores
-    from mist_core.registry import get_scorer
+    from mist_core.registry import Scoring
     from mist_core.scorer import ScoredChain, combine, zscore
 
     if method in cache:
@@ -270,7 +269,7 @@ def _scored(method: str, lm, encoded, needed, equals, seed: int, cache: dict) ->
         name, kwargs = VARIANTS.get(method, (method, {}))
         if method == "uniform":
             kwargs = {"seed": seed}
-        scorer = get_scorer(name, lm, max_memory=None, **kwargs)
+        scorer = Scoring(name, max_memory=None, **kwargs).scorer(lm)
         scored = scorer.score_encoded(encoded, errors="return")
     cache[method] = scored
     return scored

@@ -82,7 +82,7 @@ def test_settings_are_frozen_whole_values():
 
 
 def test_layer_weights_are_the_scorers_and_mist_only():
-    from mist_core.scorer import LAYER_WEIGHTS
+    from mist_core.choices import LAYER_WEIGHTS
 
     assert JobConfig.model_fields["layer_weights"].json_schema_extra["choices"] == LAYER_WEIGHTS
     assert JobConfig().layer_weights == "clipped"  # the project's default, not the paper's
@@ -126,3 +126,29 @@ def test_a_refresh_keeps_the_layer_weights_of_the_output():
     check_compatible(JobConfig(budgets=[0.5], method="h2o"), "m", h2o, out)  # not h2o's setting
     empty = SimpleNamespace(methods=set(), models=set(), budgets=set(), manifest=None)
     check_compatible(clipped, "m", empty, out)  # a new output takes any
+
+
+def test_one_builder_makes_every_registered_scorer(tiny_lm):
+    """mist_core.registry.Scoring builds each registered method, from Python and from the
+    job's settings (JobConfig.scoring), with the options that method takes and no other."""
+    from mist_core import MissingDependency, scorer_names
+    from mist_core.registry import Scoring
+
+    built = 0
+    for name in scorer_names():
+        for scoring in (Scoring(name, max_memory=None),
+                        JobConfig(method=name, batch_tokens=512, batch_size=4).scoring()):
+            try:
+                scorer = scoring.scorer(tiny_lm)
+            except MissingDependency:  # llmlingua2's classifier is not on this machine
+                continue
+            assert scorer.method == name and scorer.max_batch == scoring.max_batch
+            built += 1
+    assert built >= 2 * (len(scorer_names()) - 1)
+    mist = JobConfig(alpha=0.3, layer_weights="signed").scoring().scorer(tiny_lm)
+    assert (mist.alpha, mist.layer_weights) == (0.3, "signed")
+    assert "alpha" not in JobConfig(method="sufficiency", alpha=0.3).scoring().options()
+    with pytest.raises(ValueError, match="alpha is not an option of h2o"):
+        Scoring("h2o", alpha=0.3)
+    with pytest.raises(ValueError, match="unknown method"):
+        Scoring("nope")

@@ -15,7 +15,7 @@ import traceback
 import numpy as np
 import pyarrow as pa
 
-from mist_core import (Example, InvalidExample, NonFiniteScores, get_scorer, load_model,
+from mist_core import (Example, InvalidExample, NonFiniteScores, load_model,
                        reasons)
 from mist_core.formats import value_kind
 from mist_core.prune import prune_scores, token_pieces
@@ -23,7 +23,7 @@ from mist_core.templates import Encoded
 
 from . import faults, placement
 from ..rows import parse_examples, readable_id, template_for
-from ..settings import MIST_FAMILY, JobConfig
+from ..settings import JobConfig
 from ..errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -188,13 +188,7 @@ class ScoreActor:
         except Exception as e:  # the driver turns this into one line, with no retry
             raise ModelLoadError(f"a scoring actor could not load --model {model}: "
                                  f"{type(e).__name__}: {e}") from e
-        kwargs = dict(template=cfg.template, max_tokens=cfg.batch_tokens, max_batch=cfg.batch_size,
-                      max_memory="auto" if cfg.max_memory is None else cfg.max_memory)
-        if method == "mist":
-            kwargs["alpha"] = cfg.alpha
-        if method in MIST_FAMILY:
-            kwargs["layer_weights"] = cfg.layer_weights
-        self.scorer = get_scorer(method, self.lm, **kwargs)
+        self.scorer = cfg.scoring().scorer(self.lm)
         self.scored, self.busy, self.batches = 0, 0.0, 0
         # Of the chains scored, those the scorer rejected; when this process began scoring
         # (time.time(), for the driver's rate and ETA); when it last reported (monotonic).
