@@ -396,7 +396,8 @@ def summary(manifest: dict, out: Output) -> str:
         f"MIST compression finished in {t['total_s']:.1f}s (run {manifest['run_id']}).",
         f"Outputs in {manifest['output']}:",
         f"  data/      {sum(tot['rows_per_budget'].values())} rows: {tot['examples']} examples x "
-        f"{len(tot['rows_per_budget'])} budgets (parquet)",
+        f"{len(tot['rows_per_budget'])} budget{'' if len(tot['rows_per_budget']) == 1 else 's'} "
+        "(parquet)",
         f"  sft/       {tot['sft_records']} training records "
         f"({manifest['config']['sft_format']} JSONL)",
         f"  rejects/   {tot['rejects']} rows that could not be used",

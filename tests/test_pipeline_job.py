@@ -166,6 +166,8 @@ def test_ray_job_submit(cluster, tmp_path, tokenizer):
     assert "plan: 7 rows read, 6 to score" in logs  # progress is in the job's log
     assert "[score]" in logs
     assert "MIST compression finished" in logs and str(out) in logs
+    assert "1 budgets" not in logs and "x 2 budgets (parquet)" in logs
+    assert not (out / "scores").exists()  # made only with --scores
 
     manifest = json.loads((out / "_manifest.json").read_text())
     c = manifest["counts"]

@@ -98,7 +98,7 @@ class OutputSink(Datasink):
 
     @storage.retried
     def on_write_start(self, schema=None) -> None:
-        for d in DIRS:
+        for d in DIRS if self.with_scores else tuple(d for d in DIRS if d != "scores"):
             self.fs.create_dir(storage.join(self.root, d), recursive=True)
 
     def write(self, blocks, ctx) -> WriteStats:
