@@ -257,6 +257,17 @@ def test_missing_output_bucket_fails_before_scoring(s3, model_dir, tmp_path, cap
                                       "create it or choose another --output")
 
 
+def test_output_that_is_a_file_fails_before_scoring(model_dir, tmp_path, capsys):
+    corpus(tmp_path / "in.jsonl", 2)
+    (tmp_path / "taken").write_text("someone's file\n")
+    t = time.monotonic()
+    rc = compress.main(["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "taken"),
+                        "--model", str(model_dir)])
+    assert rc == 2 and time.monotonic() - t < 30
+    assert one_error_line(capsys).startswith(f"error: --output {tmp_path / 'taken'} is a file")
+    assert (tmp_path / "taken").read_text() == "someone's file\n"
+
+
 @pytest.mark.integration
 def test_ctrl_c_is_one_line_and_exit_130_and_the_rerun_resumes(model_dir, tmp_path):
     ids = corpus(tmp_path / "in.jsonl", 24)

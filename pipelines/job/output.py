@@ -64,7 +64,11 @@ class Output:
 
     @storage.retried
     def check_bucket(self) -> None:
-        """An output in a bucket that does not exist fails now, before any scoring."""
+        """An output that is a file, or in a bucket that does not exist, fails now, before
+        any scoring."""
+        if self.fs.get_file_info(self.root).type == pafs.FileType.File:
+            raise ConfigError(f"--output {self.display()} is a file: give a folder for the "
+                              "job's data/, sft/ and rejects/")
         if self.prefix and self.fs.get_file_info(self.root.split("/", 1)[0]).type == \
                 pafs.FileType.NotFound:
             raise ConfigError(f"the output bucket {self.root.split('/', 1)[0]} does not exist: "
