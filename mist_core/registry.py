@@ -72,11 +72,11 @@ class Scoring:
     max_memory: int | str | None = "auto"
 
     def __post_init__(self):
-        if self.method not in _factories():
-            raise ValueError(f"unknown method {self.method!r}; choose from "
-                             f"{', '.join(_factories())}")
+        names = scorer_names()
+        if self.method not in names:
+            raise ValueError(f"unknown method {self.method!r}; choose from {', '.join(names)}")
         default = Scoring.__dataclass_fields__
-        unused = [k for k in ("alpha", "layer_weights", "ablation", "seed")
+        unused = [k for k in dict.fromkeys(o for opts in OPTIONS.values() for o in opts)
                   if k not in OPTIONS.get(self.method, ()) and getattr(self, k) != default[k].default]
         if unused:
             raise ValueError(f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} not "

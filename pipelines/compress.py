@@ -309,7 +309,7 @@ def run(cfg: JobConfig) -> dict:
         rows.template_for(cfg.model, cfg.template, cfg.trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot load the tokenizer of --model {cfg.model}: {e}") from None
-    out.check_bucket()
+    out.check_target()
     # One writer per output, from before the first write to after the manifest: a second
     # run refuses here, before it starts Ray (lease.py).
     held = lease.acquire(out, run_id)
@@ -392,12 +392,12 @@ def _run(cfg: JobConfig, out: Output, inputs: list[Input], model_name: str, held
 def summary(manifest: dict, out: Output) -> str:
     c, t, tot = manifest["counts"], manifest["timings"], manifest["totals"]
     thr = manifest["throughput"]["chains_per_s"]
+    n_budgets = len(tot["rows_per_budget"])
     lines = [
         f"MIST compression finished in {t['total_s']:.1f}s (run {manifest['run_id']}).",
         f"Outputs in {manifest['output']}:",
         f"  data/      {sum(tot['rows_per_budget'].values())} rows: {tot['examples']} examples x "
-        f"{len(tot['rows_per_budget'])} budget{'' if len(tot['rows_per_budget']) == 1 else 's'} "
-        "(parquet)",
+        f"{n_budgets} budget{'' if n_budgets == 1 else 's'} (parquet)",
         f"  sft/       {tot['sft_records']} training records "
         f"({manifest['config']['sft_format']} JSONL)",
         f"  rejects/   {tot['rejects']} rows that could not be used",

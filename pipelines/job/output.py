@@ -63,7 +63,7 @@ class Output:
         return self.fs.get_file_info(pafs.FileSelector(self.root, recursive=False))
 
     @storage.retried
-    def check_bucket(self) -> None:
+    def check_target(self) -> None:
         """An output that is a file, or in a bucket that does not exist, fails now, before
         any scoring."""
         if self.fs.get_file_info(self.root).type == pafs.FileType.File:
