@@ -322,7 +322,7 @@ def run(cfg: JobConfig) -> dict:
 def _run(cfg: JobConfig, out: Output, inputs: list[Input], model_name: str, held, *,
          run_id: str, t0: float, started: str) -> dict:
     """run() once the output's lease is held."""
-    runtime.init_ray(cfg.address, cfg.actors, cfg.cpus_per_actor)
+    runtime.init_ray(cfg.address, cfg.actors, cfg.cpus_per_actor, cfg.verbose)
 
     if cfg.mode == "overwrite":
         out.clear()
@@ -475,7 +475,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.compres
 
     def body() -> int:
         cfg = parse_args(argv, prog)
-        manifest = run(cfg)
+        with runtime.console(cfg.verbose):
+            manifest = run(cfg)
         print(summary(manifest, Output(cfg.output)), flush=True)
         return 0
 

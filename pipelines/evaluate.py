@@ -273,7 +273,7 @@ def run(cfg: EvalConfig, argv: list[str]) -> dict:
     _, model_name = resolve(cfg.model)
     template_for(cfg.model, cfg.template)  # a bad --model or template fails here
     done = load_done(out, cfg)
-    runtime.init_ray(cfg.address, cfg.actors, cfg.cpus_per_actor)
+    runtime.init_ray(cfg.address, cfg.actors, cfg.cpus_per_actor, cfg.verbose)
 
     plan = read_raw(inputs).map_batches(plan_rows, batch_format="pyarrow",
                                         fn_kwargs={"adapter": cfg.adapter, "columns": cfg.columns})
@@ -341,7 +341,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.evaluat
         cfg = parse_args(argv, prog)
         from .report import console_table
 
-        meta = run(cfg, argv)
+        with runtime.console(cfg.verbose):
+            meta = run(cfg, argv)
         print(f"evaluated {meta['seconds']['chains_this_run']} chains in "
               f"{meta['seconds']['total']:.0f}s; results in {cfg.output}/{RESULTS}\n")
         print(console_table(cfg.output), end="", flush=True)

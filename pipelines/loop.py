@@ -20,7 +20,7 @@ from mist_core.fields import row_id
 
 from . import errors, runtime, storage
 from .rows import parse_examples, remote_code_refused
-from .settings import one_line, parse_actors, parse_columns
+from .settings import Settings, one_line, parse_actors, parse_columns
 from .errors import ConfigError, ModelLoadError
 from .sources import check_submitted_paths, read_raw, resolve_inputs
 
@@ -187,6 +187,7 @@ def add_common(p: argparse.ArgumentParser, *, actors: bool = True) -> None:
                         "(default: smollm2-135m-instruct)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--address", default=None, help="Ray cluster (default: $RAY_ADDRESS or a new local Ray)")
+    add_verbose(p)
     if actors:
         p.add_argument("--actors", default="1", type=parse_actors,
                        help="model replicas: N or MIN,MAX (default: 1)")
@@ -195,6 +196,11 @@ def add_common(p: argparse.ArgumentParser, *, actors: bool = True) -> None:
                        type=lambda v: None if v == "auto" else float(v),
                        help="GPUs per model replica (default: 1 where the cluster has GPUs, else 0)")
     add_trust_remote_code(p)
+
+
+def add_verbose(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verbose", action="store_true",
+                   help=Settings.model_fields["verbose"].description)
 
 
 def add_trust_remote_code(p: argparse.ArgumentParser) -> None:
@@ -250,7 +256,7 @@ def start(args: argparse.Namespace) -> Start:
         raise ConfigError(str(e)) from None
     name = check_model(args.model, args.trust_remote_code)
     style = style_of(args.style, args.adapter)
-    runtime.init_ray(args.address, args.actors, args.cpus_per_actor)
+    runtime.init_ray(args.address, args.actors, args.cpus_per_actor, args.verbose)
     questions, counts = read_questions(args.input, fmt=args.format, adapter=args.adapter,
                                        columns=args.columns, limit=args.limit)
     pool, resources = actor_pool(args.actors, args.cpus_per_actor, args.gpus_per_actor)
@@ -263,4 +269,9 @@ def run_main(run, argv, parse, prog: str) -> int:
     for settings, input or a model that cannot load, 4 for storage that stayed
     unavailable, a one-line `error:` each."""
     errors.setup_logging()
-    return errors.run_main(lambda: run(parse(argv, prog)))
+    def body() -> int:
+        args = parse(argv, prog)
+        with runtime.console(getattr(args, "verbose", False)):
+            return run(args)
+
+    return errors.run_main(body)

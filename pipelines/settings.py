@@ -191,6 +191,10 @@ class Settings(BaseModel):
         None, "Ray cluster to join, e.g. auto for one started with `ray start` on this "
         "machine (default: $RAY_ADDRESS, which `ray job submit` sets; else a new local Ray "
         "for this run)", group="resources", metavar="ADDR", shown="")
+    verbose: bool = setting(
+        False, "also show Ray's and Ray Data's own output: their status blocks, the workers' "
+        "model-loading bars and library warnings (otherwise only in Ray's session logs, "
+        "/tmp/ray/session_latest/logs)", group="output")
 
     def __init__(self, **values):
         try:

@@ -82,7 +82,8 @@ def train_distributed(args: argparse.Namespace, records: list[dict], options: di
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    runtime.init_ray(args.address, (args.workers, args.workers), args.cpus_per_worker)
+    runtime.init_ray(args.address, (args.workers, args.workers), args.cpus_per_worker,
+                     args.verbose)
     gpus = args.gpus_per_worker
     if gpus is None:
         gpus = 1.0 if loop.cluster_gpus() > 0 else 0.0
@@ -216,6 +217,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                         "multi-machine cluster; default: a temporary local folder)")
     p.add_argument("--address", default=None,
                    help="Ray cluster for --workers N (default: $RAY_ADDRESS or a new local Ray)")
+    loop.add_verbose(p)
     loop.add_trust_remote_code(p)
     return p
 

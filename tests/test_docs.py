@@ -367,6 +367,9 @@ def test_demo_then_recipes_as_written(tmp_path, monkeypatch):
     assert demo, block("make demo ")
     first = shell(demo[1], work, timeout=900)
     assert "outputs/demo" in first.stdout and "48 examples x 5 budgets" in first.stdout
+    # A quiet console: the job's own lines only, no Ray status blocks and no ERROR line.
+    console = (first.stdout + first.stderr).splitlines()
+    assert len(console) <= 25 and not any("ERROR" in line for line in console), console
     again = shell(demo[1], work, timeout=600)
     assert "scored 0, rejected 0, already done 48" in again.stdout
     read = run_python(block("data = pl.read_parquet("), work, monkeypatch)

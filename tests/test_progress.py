@@ -19,7 +19,7 @@ import pyarrow as pa
 import pytest
 
 from mist_core.demo import demo_corpus
-from pipelines import compress, sources, storage
+from pipelines import compress, runtime, sources, storage
 from pipelines.job import placement, stages
 from pipelines.compress import parse_args
 from pipelines.settings import ConfigError, JobConfig
@@ -61,6 +61,27 @@ def test_progress_thread_prints_at_its_interval_and_stops():
                   placement.Progress(object(), 100, 0, out=out)):  # --progress-interval 0
         with quiet:
             assert quiet._thread is None
+
+
+def test_quiet_console_drops_rays_known_noise_only(capfd):
+    """Native writes to stderr pass but for Ray's harmless constructor-argument ERROR line;
+    Ray Data's console handler shows warnings only, and all is as it was afterwards."""
+    import logging
+
+    noise = (b"[2026-12-03 17:42:08,786 E 1 1] core_worker.cc:2465: Actor with class name: "
+             b"'MapWorker(MapBatches(ScoreActor))' and ID: 'cc5f' has constructor arguments in "
+             b"the object store and max_restarts > 0. If the arguments ...\n")
+    console = [h for h in logging.getLogger("ray.data").handlers if h.name == "console"]
+    before = [h.level for h in console]
+    with runtime.console(verbose=False):
+        os.write(2, noise + b"a native warning\n")
+        assert console and all(h.level == logging.WARNING for h in console)
+    err = capfd.readouterr().err
+    assert "a native warning" in err and "core_worker" not in err
+    assert [h.level for h in console] == before
+    with runtime.console(verbose=True):
+        os.write(2, noise)
+    assert "core_worker" in capfd.readouterr().err
 
 
 def test_progress_interval_setting():
@@ -185,8 +206,10 @@ def log_tail(lines) -> str:
 
 @pytest.mark.integration
 def test_progress_lines_while_scoring(model_dir, tmp_path):
-    rc, lines = job(tmp_path, model_dir, "--progress-interval", "2", sleep="1")
+    rc, lines = job(tmp_path, model_dir, "--progress-interval", "2", "--verbose", sleep="1")
     assert rc == 0, log_tail(lines)
+    # --verbose: Ray Data's own status blocks as well as the job's lines.
+    assert any("Running Dataset" in text for _, text in lines), log_tail(lines)
     found = progress_of(lines)
     assert len(found) >= 3 and all(m for _, m in found), log_tail(lines)
     done = [int(m[1]) for _, m in found]
@@ -205,6 +228,9 @@ def test_a_200_row_run_prints_progress_at_least_every_15_s(model_dir, tmp_path):
     interval, 10 s), from the plan to the end of the run."""
     rc, lines = job(tmp_path, model_dir, sleep="2.5")
     assert rc == 0, log_tail(lines)
+    # The default console: none of Ray's status blocks, none of its harmless ERROR lines.
+    assert not any("Running Dataset" in t or "ERROR" in t or " E " in t for _, t in lines), \
+        log_tail(lines)
     found = progress_of(lines)
     assert len(found) >= 2, log_tail(lines)
     plan = next(t for t, text in lines if "plan: 200 rows read, 200 to score" in text)
