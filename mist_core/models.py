@@ -166,6 +166,41 @@ def resolve(spec: str) -> tuple[str, str]:
     return spec, spec  # a hub id
 
 
+def check_reachable(spec: str, timeout: float = 10.0) -> None:
+    """Fail at once, with one sentence, where a hub id cannot be loaded: not a hub id at all
+    (a local path that does not exist), not on the hub, or the hub out of reach with the
+    model not in the local cache. transformers would retry for about a minute first, with a
+    warning per try. Local specs, offline mode (HF_HUB_OFFLINE) and cached models pass.
+
+    Raises:
+        OSError: the model cannot be loaded from here; the message says why and what to do.
+    """
+    if spec.lower() == SMOLLM2 or Path(spec).expanduser().exists() or spec.endswith(".gguf"):
+        return  # local: resolve() reports what is wrong with it
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(spec)
+    except HFValidationError:
+        raise OSError(f"{spec!r} is not a local folder or .gguf file (none is there) nor a "
+                      f"hub id (owner/name)") from None
+    if constants.HF_HUB_OFFLINE or isinstance(try_to_load_from_cache(spec, "config.json"), str):
+        return
+    try:
+        model_info(spec, timeout=timeout)
+    except RepositoryNotFoundError:
+        raise OSError(f"no model {spec!r} on the Hugging Face Hub that this machine may read: "
+                      f"check the id, or log in for a private one (HF_TOKEN or "
+                      f"`hf auth login`)") from None
+    except Exception as e:  # whatever the transport raises: the hub did not answer
+        raise OSError(f"the Hugging Face Hub ({constants.ENDPOINT}) cannot be reached "
+                      f"({type(e).__name__}: {' '.join(str(e).split())}) and {spec!r} is not "
+                      f"in the local cache: give a local folder or .gguf file, or download "
+                      f"it where there is a network (`hf download {spec}`)") from None
+
+
 def model_path(spec: str) -> str:
     """What `from_pretrained` reads for a model spec: a local folder (for a `.gguf` file or
     `smollm2-135m-instruct`, its safetensors conversion, made on first use) or the hub id as

@@ -25,7 +25,7 @@ from mist_core.formats import (DATA_COLUMNS, REJECT_SCHEMA, SCORES_SCHEMA, budge
 
 from . import errors, rows, runtime, storage
 from .job import lease, placement, stages
-from .settings import MIST_FAMILY, JobConfig, parse
+from .settings import MIST_FAMILY, JobConfig, one_line, parse
 from .errors import AccountingError, ConfigError, ErrorBudgetExceeded, causes
 from .job.output import Existing, Output
 from .job.budget import ErrorBudget, start_tally
@@ -302,13 +302,15 @@ def run(cfg: JobConfig) -> dict:
         raise ConfigError(str(e)) from None
     check_disjoint(inputs, out)
     # Load the tokenizer here first: a wrong --model fails now, with a plain message.
-    from mist_core.models import resolve
+    from mist_core.models import check_reachable, resolve
 
     try:
+        check_reachable(cfg.model)
         _, model_name = resolve(cfg.model)
         rows.template_for(cfg.model, cfg.template, cfg.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot load the tokenizer of --model {cfg.model}: {e}") from None
+        raise ConfigError(one_line(f"cannot load the tokenizer of --model {cfg.model}: {e}")
+                          ) from None
     out.check_target()
     # One writer per output, from before the first write to after the manifest: a second
     # run refuses here, before it starts Ray (lease.py).

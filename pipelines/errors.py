@@ -80,6 +80,14 @@ def classify(e: BaseException) -> tuple[int, str] | None:
         return BAD_INPUT, failure
     from . import storage
 
+    refused = next(filter(storage.denied, chain), None)
+    if isinstance(refused, PermissionError):
+        return BAD_INPUT, f"permission denied: {refused}"
+    if refused is not None:
+        return BAD_INPUT, (f"storage refused access: {storage.one_line(refused).rstrip('.')}; check the "
+                           "credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                           "AWS_PROFILE or the machine's role; GOOGLE_APPLICATION_CREDENTIALS "
+                           "for gs://) and the bucket's permissions")
     cause = next(filter(storage.transient, chain), None)
     if cause is not None:
         return STORAGE, (f"storage unavailable: {storage.one_line(cause)}; the run did not "

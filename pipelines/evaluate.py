@@ -32,7 +32,7 @@ from mist_core.taxonomy import TYPES
 from . import errors, runtime
 from .rows import parse_row, template_for
 from .errors import ConfigError
-from .settings import EvalConfig, parse
+from .settings import EvalConfig, one_line, parse
 from .results import BASELINES, POSITIONAL, RESULTS, RUN, read_records, variant_name
 from .sources import read_raw, resolve_inputs
 
@@ -261,7 +261,7 @@ def load_done(out: Path, cfg: EvalConfig) -> set:
 
 
 def run(cfg: EvalConfig, argv: list[str]) -> dict:
-    from mist_core.models import resolve
+    from mist_core.models import check_reachable, resolve
 
     t0 = time.perf_counter()
     out = Path(cfg.output)
@@ -270,8 +270,13 @@ def run(cfg: EvalConfig, argv: list[str]) -> dict:
         inputs = resolve_inputs(cfg.input, cfg.format)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    _, model_name = resolve(cfg.model)
-    template_for(cfg.model, cfg.template)  # a bad --model or template fails here
+    try:  # a bad --model or template fails here, before Ray starts
+        check_reachable(cfg.model)
+        _, model_name = resolve(cfg.model)
+        template_for(cfg.model, cfg.template)
+    except (OSError, ValueError) as e:
+        raise ConfigError(one_line(f"cannot load the tokenizer of --model {cfg.model}: {e}")
+                          ) from None
     done = load_done(out, cfg)
     runtime.init_ray(cfg.address, cfg.actors, cfg.cpus_per_actor, cfg.verbose)
 

@@ -147,9 +147,10 @@ def check_model(model: str, trust_remote_code: bool = False) -> str:
     folder's code, and a `y` there (or `yes |`) would run it."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from mist_core.models import resolve
+    from mist_core.models import check_reachable, resolve
 
     try:
+        check_reachable(model)
         source, name = resolve(model)
         AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
         AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)

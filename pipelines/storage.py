@@ -65,6 +65,21 @@ def transient(e: BaseException) -> bool:
             NotADirectoryError)) and bool(_TRANSIENT.search(str(e)))
 
 
+# What S3 (AWS Error ACCESS_DENIED, InvalidAccessKeyId, SignatureDoesNotMatch, …) and GCS
+# (PERMISSION_DENIED, UNAUTHENTICATED) answer to credentials that are missing, wrong or
+# without the permission.
+_DENIED = re.compile(r"ACCESS_DENIED|AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|"
+                     r"InvalidToken|ExpiredToken|PERMISSION_DENIED|UNAUTHENTICATED|"
+                     r"\b40[13]\b|Forbidden|[Pp]ermission denied")
+
+
+def denied(e: BaseException) -> bool:
+    """A storage error that says this machine may not read or write there: retrying will
+    not help, the credentials or the permissions must change."""
+    return isinstance(e, PermissionError) or (
+        isinstance(e, OSError) and not transient(e) and bool(_DENIED.search(str(e))))
+
+
 def retried(fn):
     """Run `fn` again on a transient storage error, with exponential backoff, for up to
     retry_seconds() in all; `fn` must be safe to repeat. Nested retried calls share the
@@ -231,15 +246,35 @@ def input_files(uri: str, fmt: str = "auto") -> tuple[pafs.FileSystem, list[tupl
         if found is None:
             raise ValueError(f"cannot tell the format of {redact(uri)} from its name: "
                              "pass --format jsonl or --format parquet")
-        return fs, [(root, found)], prefix
-    files = []
-    for path in list_files(fs, root):
-        found = detect_format(path) if fmt == "auto" else fmt
-        if found is not None:
-            files.append((path, found))
+        files = [(root, found)]
+    else:
+        files = []
+        for path in list_files(fs, root):
+            found = detect_format(path) if fmt == "auto" else fmt
+            if found is not None:
+                files.append((path, found))
     if not files:
         raise FileNotFoundError(f"no .jsonl, .json, .ndjson or .parquet files under {redact(uri)}")
+    check_readable(fs, [path for path, _ in files], prefix)
     return fs, files, prefix
+
+
+def check_readable(fs: pafs.FileSystem, paths: list[str], prefix: str = "") -> None:
+    """Fail now, not in a read task after the model has loaded, where an input cannot be
+    read: every local file's permission; on object storage the first file's first byte
+    (the credentials and the bucket's permissions, which as a rule hold for the rest).
+
+    Raises:
+        PermissionError: a local file this process may not read.
+        OSError: the storage's refusal (see `denied`).
+    """
+    if isinstance(fs, pafs.LocalFileSystem):
+        bad = next((p for p in paths if not os.access(p, os.R_OK)), None)
+        if bad is not None:
+            raise PermissionError(f"cannot read input {bad}")
+        return
+    with fs.open_input_stream(paths[0]) as f:
+        f.read(1)
 
 
 @retried

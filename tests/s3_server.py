@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -31,11 +32,14 @@ def free_ports(n: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def moto_s3(timeout: float = 30.0):
-    """Yield the endpoint URL of a fresh moto_server."""
+def moto_s3(timeout: float = 30.0, auth: bool = False):
+    """Yield the endpoint URL of a fresh moto_server. `auth`: it checks credentials (moto's
+    IAM authentication from the first request on), so that only keys made through its IAM
+    API work and any other key is refused."""
     port = free_port()
     exe = Path(sys.executable).with_name("moto_server")
-    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)],
+    env = dict(os.environ, **({"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if auth else {}))
+    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback, no proxy
@@ -44,6 +48,8 @@ def moto_s3(timeout: float = 30.0):
         while True:
             try:
                 opener.open(url, timeout=2).close()
+                break
+            except urllib.error.HTTPError:  # refused, so it is up (auth)
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:

@@ -1,11 +1,15 @@
 """The one error policy of every entry point (pipelines/errors.py): the exit status of each
 kind of error, one `error:` line, and a bug's traceback kept."""
+from pathlib import Path
+
 import pytest
 
 from mist_core.errors import MissingDependency, UnsupportedModel
 from pipelines import errors, evaluate, saliency
 from pipelines.errors import (AccountingError, ConfigError, ErrorBudgetExceeded, ModelLoadError,
                               classify, run_main)
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("error, status", [
@@ -127,3 +131,78 @@ def test_the_guides_table_of_reasons_is_current():
     page = Path(__file__).resolve().parents[1] / "docs" / "guide" / "guarantees.md"
     assert markdown_table() in page.read_text(encoding="utf-8"), \
         "regenerate the table in docs/guide/guarantees.md from mist_core.reasons.markdown_table()"
+
+
+# ------------------------------------------------------------------ checked before any work
+
+def test_an_unreadable_input_is_refused_before_reading(tmp_path, monkeypatch):
+    """A local file this process may not read fails the listing, not a read task after the
+    model has loaded. (Root reads any file, so the permission is denied by os.access here.)"""
+    import os
+
+    from pipelines import storage
+
+    (tmp_path / "a.jsonl").write_text('{"question": "q", "cot": "c", "answer": "1"}\n')
+    (tmp_path / "b.jsonl").write_text('{"question": "q", "cot": "c", "answer": "2"}\n')
+    assert len(storage.input_files(str(tmp_path))[1]) == 2
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: not p.endswith("b.jsonl") and real(p, mode))
+    with pytest.raises(PermissionError) as caught:
+        storage.input_files(str(tmp_path))
+    status, line = classify(caught.value)
+    assert status == 2 and line == f"permission denied: cannot read input {tmp_path / 'b.jsonl'}"
+
+
+def test_a_storage_refusal_is_bad_input_and_an_outage_is_not():
+    from pipelines import storage
+
+    refused = OSError("When getting information for key 'in.jsonl' in bucket 'bkt': AWS Error "
+                      "ACCESS_DENIED during HeadObject operation: No response body.")
+    assert storage.denied(refused) and not storage.transient(refused)
+    status, line = classify(refused)
+    assert status == 2 and line.startswith("storage refused access: ") and "credentials" in line
+    outage = OSError("AWS Error SERVICE_UNAVAILABLE during GetObject operation: HTTP status 503")
+    assert not storage.denied(outage) and classify(outage)[0] == errors.STORAGE
+
+
+def _first_lines(cmd: list[str], env: dict) -> tuple[int, list[str], list[str], float]:
+    import os
+    import subprocess
+    import sys
+    import time
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_", "HF_"))}
+    start = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "pipelines.compress", *cmd], env={**base, **env},
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    return (p.returncode, p.stdout.splitlines(), [x for x in p.stderr.splitlines() if x.strip()],
+            time.monotonic() - start)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("model, says", [
+    ("nosuch-org/nosuch-model", "cannot be reached"),   # the hub (a closed port here) is out of reach
+    ("./no/such/folder", "is not a local folder or .gguf file"),
+])
+def test_a_model_that_cannot_load_fails_at_once_in_one_line(tmp_path, model, says):
+    rc, out, err, seconds = _first_lines(
+        ["--input", "demo:2", "--model", model, "--output", str(tmp_path / "out")],
+        {"HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and says in err[0], err
+    assert not any("plan:" in line for line in out) and seconds < 30, (out, seconds)
+
+
+@pytest.mark.integration
+def test_credentials_the_storage_refuses_fail_at_once_in_one_line(tmp_path):
+    """moto with authentication on: keys it never issued are refused, for the input (its
+    listing) and for the output (its check, before the lease is written)."""
+    from s3_server import moto_s3, s3_env
+
+    with moto_s3(auth=True) as url:
+        wrong = {**s3_env(url), "AWS_SECRET_ACCESS_KEY": "wrong-secret"}
+        for cmd in (["--input", "s3://bkt/in.jsonl", "--output", str(tmp_path / "out")],
+                    ["--input", "demo:2", "--output", "s3://bkt/out"]):
+            rc, out, err, seconds = _first_lines(cmd, wrong)
+            assert rc == 2 and len(err) == 1, err
+            assert err[0].startswith("error: storage refused access: ") and "ACCESS_DENIED" in err[0]
+            assert "wrong-secret" not in err[0] and seconds < 30, (err, seconds)
