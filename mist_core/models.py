@@ -1,12 +1,15 @@
 """Model loading and the handful of modules MIST needs to reach inside a causal LM."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +118,28 @@ def _gguf_cache_dir(gguf: Path) -> Path:
     return cache_root() / "gguf" / f"{gguf.stem}-{key}"
 
 
+@contextlib.contextmanager
+def _bars_only_on_a_terminal():
+    """transformers' progress bars off where stderr is not a terminal: written to a log or a
+    pipe, each update of a bar is a line of its own (about twenty for one conversion)."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    off = hf_logging.is_progress_bar_enabled() and not sys.stderr.isatty()
+    bar = getattr(gguf_utils, "tqdm", None)  # the GGUF reader's bar is a plain tqdm
+    if off:
+        hf_logging.disable_progress_bar()
+        if bar is not None:
+            gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        if off:
+            hf_logging.enable_progress_bar()
+            if bar is not None:
+                gguf_utils.tqdm = bar
+
+
 def convert_gguf(gguf: Path) -> Path:
     """Dequantise a GGUF file once into a safetensors directory and return that directory.
     Safe against concurrent callers (several Ray actors on one node): a file lock serialises
@@ -130,10 +155,11 @@ def convert_gguf(gguf: Path) -> Path:
         if (target / "config.json").is_file():
             return target
         log.info("converting %s to safetensors in %s (once)", gguf, target)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                     dtype=torch.float32, trust_remote_code=False)
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                            trust_remote_code=False)
+        with _bars_only_on_a_terminal():
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=False)
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                trust_remote_code=False)
         # A GGUF-loaded model keeps its quantizer attached and then refuses to save.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
@@ -142,7 +168,8 @@ def convert_gguf(gguf: Path) -> Path:
             model.is_quantized = False
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
         try:
-            model.save_pretrained(tmp, safe_serialization=True)
+            with _bars_only_on_a_terminal():
+                model.save_pretrained(tmp, safe_serialization=True)
             tok.save_pretrained(tmp)
             os.replace(tmp, target)
         finally:

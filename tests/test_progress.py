@@ -57,6 +57,15 @@ def test_progress_thread_prints_at_its_interval_and_stops():
     done = [int(LINE.match(line)[1]) for line in out.getvalue().splitlines()]
     assert done == sorted(done) and done[-1] <= 100
 
+    # An unchanged line (the actors still loading the model) only every REPEAT intervals.
+    out = io.StringIO()
+    waiting = placement.Progress(object(), total=100, interval=0.02, out=out)
+    waiting.read = lambda: None
+    with waiting:
+        time.sleep(0.02 * (3 * waiting.REPEAT + 2))
+    lines = out.getvalue().splitlines()
+    assert 2 <= len(lines) <= 4 and all("are starting" in line for line in lines)
+
     for quiet in (placement.Progress(None, 100, 0.05, out=out),  # nothing to score
                   placement.Progress(object(), 100, 0, out=out)):  # --progress-interval 0
         with quiet:

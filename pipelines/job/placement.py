@@ -144,6 +144,8 @@ class Progress:
     `ray job logs -f` shows it as it comes). Off with interval 0, without an ActorStats
     actor (nothing to score) or with nothing planned. A context manager around the run."""
 
+    REPEAT = 6  # an unchanged line is printed again after this many intervals
+
     def __init__(self, stats, total: int, interval: float, out=None):
         self.stats, self.total, self.interval = stats, total, interval
         self.out = out
@@ -178,6 +180,7 @@ class Progress:
 
     def _run(self) -> None:
         start, tick, warned = time.monotonic(), 0, False
+        last_line, last_tick = None, 0
         while True:
             # A fixed schedule, from the start: a slow read delays one line, not the rest.
             tick = max(tick + 1, math.ceil((time.monotonic() - start) / self.interval))
@@ -193,5 +196,11 @@ class Progress:
                 continue
             if self._stop.is_set():
                 return
-            print(progress_line(totals["done"], self.total, totals["rejected"],
-                                totals["started"], time.time()), file=self.out, flush=True)
+            line = progress_line(totals["done"], self.total, totals["rejected"],
+                                 totals["started"], time.time())
+            # While the model loads the line does not change: say it again once a minute
+            # (at the default interval), not at every tick.
+            if line == last_line and tick - last_tick < self.REPEAT:
+                continue
+            last_line, last_tick = line, tick
+            print(line, file=self.out, flush=True)
