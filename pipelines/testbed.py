@@ -45,10 +45,12 @@ log = logging.getLogger("pipelines.testbed")
 
 METHODS = ("mist", "necessity", "sufficiency", "h2o", "crisp", "perplexity", "gogi_l1", "uniform",
            "tail", "head", "mist_clipped", "mist_mean", "mist_equation", "mist_alpha", "hybrid",
-           "oracle")
+           "oracle", "oracle_near")
 # Not scorers: `head` keeps the first tokens (truncation), `tail` the last; `oracle` keeps the
 # generator's ground truth (operands, operators, results) and the equations' `=` first, then
-# random tokens up to ⌈γT⌉: the ceiling for any scorer.
+# random tokens up to ⌈γT⌉: the ceiling for any scorer. `oracle_near` fills with the tokens
+# nearest the ground truth instead (the words that lead to each equation, "loses 5, so"),
+# dropping the filler and distractor sentences first.
 POSITIONAL = ("head", "tail")
 # Variants beyond the paper (issue: keep one only where it wins here and on the GSM8K/MATH
 # proxies): name -> (scorer, its options).
@@ -251,6 +253,11 @@ def _scored(method: str, lm, encoded, needed, equals, seed: int, cache: dict) ->
         rng = np.random.default_rng(seed)
         scored = [ScoredChain.from_encoded(e, method, 2.0 * n + q + 0.5 * rng.random(e.chain_len))
                   for e, n, q in zip(encoded, needed, equals)]
+    elif method == "oracle_near":  # ground truth 2, `=` 1, the rest by nearness to them
+        rng = np.random.default_rng(seed)
+        scored = [ScoredChain.from_encoded(e, method, 2.0 * n + q + 0.5 * _nearness(n | q)
+                                           + 1e-3 * rng.random(e.chain_len))
+                  for e, n, q in zip(encoded, needed, equals)]
     elif method == "hybrid":
         a, b, w = HYBRID
         scored = [x if not isinstance(x, ScoredChain) else y if not isinstance(y, ScoredChain)
@@ -273,6 +280,15 @@ def _scored(method: str, lm, encoded, needed, equals, seed: int, cache: dict) ->
         scored = scorer.score_encoded(encoded, errors="return")
     cache[method] = scored
     return scored
+
+
+def _nearness(anchor: np.ndarray) -> np.ndarray:
+    """1 / (1 + the distance in tokens to the nearest anchor token): in (0, 1], 1 on one."""
+    pos = np.flatnonzero(anchor)
+    if pos.size == 0:
+        return np.zeros(anchor.shape)
+    dist = np.abs(np.arange(anchor.size)[:, None] - pos[None, :]).min(axis=1)
+    return 1.0 / (1.0 + dist)
 
 
 def choose_alpha(lm, encoded, scored, budget: float = 0.5, unit: str = "token") -> float:
@@ -600,7 +616,7 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
         f"and `shortest_of_k` (each question's shortest correct chain of {sizes.shortest_k} "
         "samples by the target). `head` keeps the first ⌈γT⌉ tokens (truncation), `tail` the "
         "last; `uniform` a random ⌈γT⌉; `oracle` the ground truth and the `=` signs, filled "
-        "to ⌈γT⌉ with random tokens.",
+        "to ⌈γT⌉ with random tokens, `oracle_near` filled with the tokens nearest them.",
         f"- Phase 3: greedy answers on {sizes.test} new test questions under each γ (the "
         "controls under 1.0). *Chain tokens*: tokens the model writes before `The answer is`.",
         "- *Precision / recall*: of the chain tokens a method keeps at γ in the Phase 0 corpus "

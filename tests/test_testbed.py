@@ -182,9 +182,11 @@ def test_oracle_variants_and_controls_prune_as_defined(problems, word_tokenizer)
 
     lm = wrap_model(tiny_llama(word_tokenizer, layers=2, hidden=32), word_tokenizer, "t")
     chains = [{**p.row(), "source_id": p.id} for p in problems[:4]]
-    methods = ["oracle", "head", "hybrid", "mist_alpha", "mist_equation", "mist_mean"]
+    methods = ["oracle", "oracle_near", "head", "hybrid", "mist_alpha", "mist_equation",
+               "mist_mean"]
     compressed, kept = score_and_prune(lm, chains, methods, seed=0)
-    assert kept["oracle"]["0.5"]["recall"] == 1.0 and kept["oracle"]["0.5"]["equals"] == 1.0
+    for oracle in ("oracle", "oracle_near"):
+        assert kept[oracle]["0.5"]["recall"] == 1.0 and kept[oracle]["0.5"]["equals"] == 1.0
     assert kept["mist_alpha"]["alpha"] in ALPHAS
     for c in chains:
         words = c["cot"].split()
@@ -193,6 +195,11 @@ def test_oracle_variants_and_controls_prune_as_defined(problems, word_tokenizer)
         for g in (0.5, 0.7):  # every `=` kept stands in a whole equation
             text = compressed["mist_equation"][c["id"]][g]
             assert text.count("=") == len(STEP.findall(text))
+    # oracle_near fills by distance to the ground truth and the `=` signs
+    from pipelines.testbed import _nearness
+    np.testing.assert_allclose(_nearness(np.array([0, 0, 1, 0, 0, 0, 1], bool)),
+                               [1 / 3, 1 / 2, 1, 1 / 2, 1 / 3, 1 / 2, 1])
+    assert not _nearness(np.zeros(3, bool)).any()
     # the hybrid from the two scorings it combines
     from mist_core.examples import Example
     from mist_core.scorer import zscore
