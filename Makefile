@@ -29,10 +29,10 @@ test-fast: $(STAMP)
 
 # Everything behind docs/results (about 85 min on 2 CPU cores); resumes what is stored.
 eval-full: $(STAMP)
-	$(BIN)/python -m pipelines.evaluate --input ../shared/data/gsm8k/test.jsonl --adapter gsm8k --sample 200 --seed 0 --threads 1 --actors 2 --output docs/results/runs/gsm8k
-	$(BIN)/python -m pipelines.evaluate --input ../shared/data/math500/test.jsonl --adapter math --sample 100 --seed 0 --threads 1 --actors 2 --output docs/results/runs/math500
-	$(BIN)/python -m pipelines.saliency --input ../shared/data/gsm8k/test.jsonl --adapter gsm8k --row 1 --out docs/results
-	$(BIN)/python -m pipelines.report docs/results/runs/gsm8k docs/results/runs/math500 --out docs/results
+	$(BIN)/mist eval --input ../shared/data/gsm8k/test.jsonl --adapter gsm8k --sample 200 --seed 0 --threads 1 --actors 2 --output docs/results/runs/gsm8k
+	$(BIN)/mist eval --input ../shared/data/math500/test.jsonl --adapter math --sample 100 --seed 0 --threads 1 --actors 2 --output docs/results/runs/math500
+	$(BIN)/mist saliency --input ../shared/data/gsm8k/test.jsonl --adapter gsm8k --row 1 --out docs/results
+	$(BIN)/mist report docs/results/runs/gsm8k docs/results/runs/math500 --out docs/results
 	gzip -9f docs/results/runs/*/results.jsonl
 
 clean:

@@ -1,4 +1,4 @@
-"""Two methods of one evaluation run (pipelines.evaluate's results.jsonl), compared chain by
+"""Two methods of one evaluation run (pipelines.evaluation.evaluate's results.jsonl), compared chain by
 chain: the mean difference A − B of each measure at each budget, with a 95% percentile
 bootstrap interval over chains (the same draws for every measure). Needs no model.
 
@@ -8,7 +8,6 @@ Measures: Eq. 1 (log p(a | x, c'), nats), retention ((LL(c') − LL(∅)) / (LL(
 answer accuracy, and the share of the chain's intermediate results kept."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mist_core.stats import bootstrap_indices, ci_mean  # noqa: E402
-from pipelines.results import RESULTS, read_records  # noqa: E402
+from pipelines.evaluation.results import RESULTS, read_records  # noqa: E402
 
 
 def measure(rec: dict, variant: dict, name: str) -> float:

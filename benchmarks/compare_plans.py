@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mist_core import MistScorer, load_model  # noqa: E402
 from mist_core.allocator import cpu_scoring_env  # noqa: E402
 from mist_core.passes import Plan  # noqa: E402
-from pipelines.bench_long import long_chain  # noqa: E402
+from pipelines.bench.long import long_chain  # noqa: E402
 
 
 def main() -> None:

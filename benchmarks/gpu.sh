@@ -16,11 +16,11 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && PY=.venv/bin/python
 OUT=${OUT:-.}
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv || true
-timeout 180 "$PY" -m pipelines.bench --model random:qwen2.5-1.5b --synthetic "${CHAINS:-1024}" --chain-tokens 350 \
+timeout 180 "$PY" -m pipelines.bench.scorer --model random:qwen2.5-1.5b --synthetic "${CHAINS:-1024}" --chain-tokens 350 \
     --device cuda --dtype bfloat16 --tf32 --batch-tokens "${BATCH_TOKENS:-16384}" --batch-size 256 \
     --repeats 3 --exact-chains 0 --json "$OUT/gpu_bench.json" || echo "gpu_bench: exit $?"
-timeout 180 "$PY" -m pipelines.bench --sweep 8192,16384,32768 --model random:qwen2.5-7b --device cuda \
+timeout 180 "$PY" -m pipelines.bench.scorer --sweep 8192,16384,32768 --model random:qwen2.5-7b --device cuda \
     --dtype bfloat16 --batch-tokens auto --repeats 2 --json "$OUT/gpu_long.json" || echo "gpu_long: exit $?"
-timeout 120 "$PY" -m pipelines.bench --sweep 32768,65536 --model random:qwen2.5-7b --device cuda \
+timeout 120 "$PY" -m pipelines.bench.scorer --sweep 32768,65536 --model random:qwen2.5-7b --device cuda \
     --dtype bfloat16 --batch-tokens auto --max-memory 24GB --repeats 1 --json "$OUT/gpu_largest.json" \
     || echo "gpu_largest: exit $?"

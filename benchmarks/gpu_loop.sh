@@ -35,7 +35,7 @@ step() {  # step NAME COMMAND…: run it, time it, keep going if it fails
   if "$@"; then SECONDS_OF[$name]=$((SECONDS - t0)); else echo "$name: exit $?"; SECONDS_OF[$name]=-1; fi
 }
 
-step generate "$PY" -m pipelines.generate --input "$DATA/train.jsonl" --adapter gsm8k \
+step generate "$PY" -m pipelines.loop.generate --input "$DATA/train.jsonl" --adapter gsm8k \
     --limit "$N_GEN" --model "$MODEL" --dtype "$DTYPE" --k "$K" --max-new-tokens "$NEW" \
     --output "$OUT/generate"
 for arm in mist h2o full; do
@@ -46,9 +46,9 @@ for arm in mist h2o full; do
   step "compress_$arm" "$PY" -m pipelines.compress --input "$DATA/train.jsonl" --adapter gsm8k \
       --limit "$N_TRAIN" --model "$MODEL" --dtype "$DTYPE" "${extra[@]}" --mode overwrite \
       --output "$OUT/compress/$arm"
-  step "train_$arm" "$PY" -m pipelines.train --sft "$OUT/compress/$arm" --model "$MODEL" \
+  step "train_$arm" "$PY" -m pipelines.loop.train --sft "$OUT/compress/$arm" --model "$MODEL" \
       --epochs "$EPOCHS" --output "$OUT/train/$arm"
-  step "solve_$arm" "$PY" -m pipelines.solve --input "$DATA/test.jsonl" --adapter gsm8k \
+  step "solve_$arm" "$PY" -m pipelines.loop.solve --input "$DATA/test.jsonl" --adapter gsm8k \
       --limit "$N_TEST" --model "$OUT/train/$arm" --dtype "$DTYPE" --budgets 0.5,0.7,1.0 \
       --max-new-tokens "$NEW" --output "$OUT/solve/$arm"
 done

@@ -14,7 +14,7 @@ import torch
 
 from mist_core import memory
 from mist_core.passes import Plan
-from pipelines.shapes import SHAPES, random_model
+from pipelines.bench.shapes import SHAPES, random_model
 
 SMOLLM2 = dict(arch="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, vocab_size=49152)

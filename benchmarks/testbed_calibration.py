@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pipelines.testbed import t_interval  # noqa: E402
+from pipelines.loop.testbed import t_interval  # noqa: E402
 
 
 def recipe(sizes: dict) -> str:

@@ -2,7 +2,7 @@
 
 The names that need torch (models, scorers) are imported on first use (PEP 562), so that
 the light modules (answers, formats, reasons, retention, stats) load without it:
-`python -m pipelines.report` and `mist --help` need no model."""
+`mist report` and `mist --help` need no model."""
 from importlib import import_module
 
 from .adapters import get_adapter

@@ -1,4 +1,4 @@
-"""Measures of compressed chains, for the evaluation harness (pipelines/evaluate.py).
+"""Measures of compressed chains, for the evaluation harness (pipelines/evaluation/evaluate.py).
 
 For one chain and many compressed versions of it (methods x budgets):
 - the paper's objective, Eq. 1: log p(a | x, c') where c' is exactly the kept chain tokens,

@@ -7,7 +7,7 @@ Records are the job's `prompt-completion`, `messages` or `alpaca` records. They 
 turned into TRL's prompt-completion layout: with a chat template, the conversational one
 (the user turn rendered with the generation prompt, exactly what generation.prompt_text
 gives at decoding time); without one, plain text built by generation.plain_prompt, which
-decoding uses identically. No Ray here: pipelines/train.py runs this in-process or under
+decoding uses identically. No Ray here: pipelines/loop/train.py runs this in-process or under
 Ray Train, one copy per worker."""
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def training_record(rec: dict, tokenizer) -> dict:
 def read_sft(path: str | os.PathLike, filesystem=None) -> list[dict]:
     """The SFT records of a compression job's output: its folder (reads `sft/`), the
     `sft/` folder itself, or one file; JSONL or parquet. `filesystem`: a pyarrow filesystem
-    that `path` is on (pipelines.storage makes one for s3:// and gs://); local without."""
+    that `path` is on (pipelines.common.storage makes one for s3:// and gs://); local without."""
     import pyarrow.fs as pafs
     import pyarrow.parquet as pq
 

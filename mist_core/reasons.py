@@ -7,7 +7,7 @@ _TEXT_FIELDS = ("question", "cot", "answer", "solution")
 
 # Where each reason is decided: the guide's table names the file, so that a reader finds
 # in one step where a row is rejected (a test checks that each file names its reasons).
-ROWS = "pipelines/rows.py"  # a raw corpus row read (the job, the evaluation, the loop)
+ROWS = "pipelines/common/rows.py"  # a raw corpus row read (the job, the evaluation, the loop)
 STAGES = "pipelines/job/stages.py"  # the job's stages: duplicates, score, prune
 FIELDS = "mist_core/fields.py"  # a row's fields, as the adapters read them
 ADAPTERS = "mist_core/examples.py"  # the adapters: an example's texts

@@ -1,6 +1,6 @@
 """A generated reasoning task whose needed chain tokens are known: the testbed that trains
 a small model on chains compressed by each method and compares the models it gives
-(pipelines/testbed.py).
+(pipelines/loop/testbed.py).
 
 A problem is a short word problem over 2-4 chained operations (+, -, *) on small integers,
 padded with filler sentences and distractor facts that carry numbers of their own. Its

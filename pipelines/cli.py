@@ -1,8 +1,7 @@
 """The `mist` console script: `mist compress …` runs the compression job and `mist show`
 looks at its output; eval, report and saliency measure and picture the methods; bench and
 soak the job's cost; generate, train and solve are the distillation loop. Each command is
-its module's main (`python -m pipelines.<module>` runs the same; `ray job submit` uses
-`python -m pipelines.compress`)."""
+its product's module's main (COMMANDS); `ray job submit` uses `python -m pipelines.compress`."""
 from __future__ import annotations
 
 import sys
@@ -37,7 +36,13 @@ the distillation loop (docs/guide/loop.md: generate, compress, train, solve):
 """
 
 
-LOOP = ("generate", "train", "solve", "testbed")  # the distillation loop's commands
+# Each command's module (its main) and whether that main takes the program name for its help.
+COMMANDS = {"compress": ("job.compress", True), "show": ("job.show", True),
+            "eval": ("evaluation.evaluate", True), "report": ("evaluation.report", True),
+            "saliency": ("evaluation.saliency", False),
+            "generate": ("loop.generate", True), "train": ("loop.train", True),
+            "solve": ("loop.solve", True), "testbed": ("loop.testbed", True),
+            "bench": ("bench.scorer", False), "soak": ("bench.soak", False)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,24 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, end="")
         return 0 if args else 2
     command, rest = args[0], args[1:]
-    if command == "compress":
-        from .compress import main as compress
-
-        return compress(rest, prog="mist compress")
-    if command == "eval":
-        from .evaluate import main as evaluate
-
-        return evaluate(rest, prog="mist eval")
-    if command in LOOP + ("show", "report"):
-        from importlib import import_module
-
-        return import_module(f".{command}", __package__).main(rest, prog=f"mist {command}")
     if command == "model-path":
         return model_path(rest)
-    if command in ("bench", "soak", "saliency"):
+    if command in COMMANDS:
         from importlib import import_module
 
-        return import_module(f".{command}", __package__).main(rest)
+        module, takes_prog = COMMANDS[command]
+        entry = import_module(f".{module}", __package__).main
+        return entry(rest, prog=f"mist {command}") if takes_prog else entry(rest)
     print(f"mist: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2
 

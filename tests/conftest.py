@@ -97,7 +97,7 @@ def model_with_code(path, tokenizer, monkeypatch):
     test file its own folder name, or a second trusted load would not run the code again."""
     import json
 
-    from pipelines import rows
+    from pipelines.common import rows
 
     make_model("llama", len(tokenizer), layers=1).save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from mist_core.tracing import length_batches, similar_lengths
-from pipelines import bench
+from pipelines.bench import scorer as bench
 from pipelines.cli import main as mist
 
 
@@ -89,7 +89,7 @@ def test_pipeline_over_bare_runs_the_job_on_the_same_chains(tmp_path, model_dir)
     import ray
 
     from mist_core.demo import demo_corpus
-    from pipelines.bench_pipeline import pipeline_over_bare
+    from pipelines.bench.pipeline import pipeline_over_bare
 
     corpus = tmp_path / "gsm8k.jsonl"
     corpus.write_text("".join(json.dumps({"question": r["question"],

@@ -74,7 +74,7 @@ def committed(out: Path) -> list[Path]:
 def test_gpu_placed_actors_survive_losing_a_worker_node(cluster, model_dir, tmp_path):
     import ray
 
-    from pipelines import compress
+    from pipelines.job import compress
     from pipelines.job import placement
 
     ids = corpus(tmp_path / "corpus.jsonl", 96)
@@ -151,7 +151,7 @@ def test_device_cuda_on_a_gpu_that_torch_cannot_see_fails_clearly(cluster, model
     ids = corpus(tmp_path / "corpus.jsonl", 4)
     assert ids
     out = tmp_path / "out"
-    from pipelines import compress
+    from pipelines.job import compress
 
     rc = compress.main(argv(tmp_path / "corpus.jsonl", out, model_dir, cluster.address,
                             "--device", "cuda"))

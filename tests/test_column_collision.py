@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from mist_core import InvalidExample
 from mist_core.formats import DATA_COLUMNS, EXTRA_PREFIX
-from pipelines.rows import parse_examples
+from pipelines.common.rows import parse_examples
 
 ROW = {"id": "a", "question": "What is 2 + 2?", "cot": "2 + 2 = 4.", "answer": "4"}
 
@@ -59,8 +59,10 @@ def test_property_every_extra_value_is_kept_or_the_row_rejected(extra):
 @pytest.mark.integration
 def test_the_job_rejects_a_colliding_row_and_reconciles(tmp_path, model_dir):
     from conftest import loopback_ray
-    from pipelines import compress, storage
-    from pipelines.settings import JobConfig, validate
+    from pipelines.job import compress
+    from pipelines.common import storage
+    from pipelines.job.config import JobConfig
+    from pipelines.common.settings import validate
 
     corpus = tmp_path / "c.jsonl"
     rows = [ROW | {"id": "ok", "budget": "mine"},

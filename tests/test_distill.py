@@ -469,8 +469,8 @@ def test_engine_choice(monkeypatch):
     import importlib.util
 
     from mist_core.errors import MissingDependency
-    from pipelines import generate
-    from pipelines.errors import ConfigError
+    from pipelines.loop import generate
+    from pipelines.common.errors import ConfigError
 
     real = importlib.util.find_spec
     for installed in (False, True):
@@ -485,7 +485,7 @@ def test_engine_choice(monkeypatch):
 
 
 def test_vllm_requests_and_samples(lm):
-    from pipelines import generate
+    from pipelines.loop import generate
 
     reqs = generate.vllm_requests(ROWS, lm.tokenizer, k=2, seed=5)
     assert [(r["id"], r["sample"]) for r in reqs] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
@@ -513,7 +513,7 @@ def test_vllm_processor_accepts_the_configuration(local_ray, teacher):
 
     import ray
 
-    from pipelines import generate
+    from pipelines.loop import generate
 
     args = argparse.Namespace(model=str(teacher), k=2, seed=0, dtype="float32", actors=(1, 1),
                               batch_size=4, temperature=0.7, top_p=0.95, max_new_tokens=16)

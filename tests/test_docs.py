@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from conftest import loopback_ray
+from pipelines.cli import COMMANDS
 from mist_core.demo import demo_corpus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -167,25 +168,22 @@ def parse_only(main, argv: list[str]) -> None:
 
 def check_python(module: str, argv: list[str]) -> None:
     """Parse a `python -m module …` command line as that program does, settings checked."""
-    if module == "pipelines.compress" and "--help" not in argv:
-        from pipelines.compress import parse_args
+    if module in ("pipelines.compress", "pipelines.job.compress") and "--help" not in argv:
+        from pipelines.job.compress import parse_args
 
         parse_args(argv)
-    elif module == "pipelines.evaluate" and "--help" not in argv:
-        from pipelines.evaluate import parse_args
+    elif module == "pipelines.evaluation.evaluate" and "--help" not in argv:
+        from pipelines.evaluation.evaluate import parse_args
 
-        parse_args(argv, "python -m pipelines.evaluate")
+        parse_args(argv, "mist eval")
     elif module in LOOP_MODULES and "--help" not in argv:  # settings checked as well
         importlib.import_module(module).parse_args(argv, module)
     else:
         parse_only(importlib.import_module(module).main, argv)
 
 
-LOOP_MODULES = ("pipelines.generate", "pipelines.train", "pipelines.solve")
-MIST = {"compress": "pipelines.compress", "eval": "pipelines.evaluate", "bench": "pipelines.bench",
-        "soak": "pipelines.soak", "testbed": "pipelines.testbed", "show": "pipelines.show",
-        "report": "pipelines.report", "saliency": "pipelines.saliency",
-        **{m.split(".")[1]: m for m in LOOP_MODULES}}
+LOOP_MODULES = ("pipelines.loop.generate", "pipelines.loop.train", "pipelines.loop.solve")
+MIST = {command: f"pipelines.{module}" for command, (module, _) in COMMANDS.items()}
 OTHER_PROGRAMS = {"ray", "source", "deactivate", "export"}  # the pages say what each does
 
 
@@ -232,7 +230,7 @@ def check_command(line: str) -> str:
 
 
 def test_every_command_line_parses(monkeypatch):
-    monkeypatch.chdir(REPO)  # --config pipelines/configs/gsm8k.yaml and the like
+    monkeypatch.chdir(REPO)  # --config pipelines/job/configs/gsm8k.yaml and the like
     kinds, failures = [], []
     for page in PAGES:
         assert not page_blocks(page, "sh") and not page_blocks(page, "shell"), name(page)
@@ -271,8 +269,9 @@ def test_venv_block_runs_as_written():
 def workdir(tmp_path_factory, model_dir):
     """A folder like the checkout after the demo: outputs/demo written by the job (tiny
     model, with scores/ and one reject), outputs/gsm8k with alpaca records."""
-    from pipelines import compress
-    from pipelines.settings import JobConfig, validate
+    from pipelines.job import compress
+    from pipelines.job.config import JobConfig
+    from pipelines.common.settings import validate
 
     work = tmp_path_factory.mktemp("work")
     corpus = work / "corpus.jsonl"

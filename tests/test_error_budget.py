@@ -5,7 +5,7 @@ line, no manifest, and a re-run that redoes those rows.
 
 The library and budget tests run in-process; the job tests (marked integration) run
 `python -m pipelines.compress` in subprocesses with their own local Ray, as tests/test_faults.py
-does, with faults injected through pipelines/job/faults.py."""
+does, with faults injected through pipelines/common/faults.py."""
 from __future__ import annotations
 
 import json
@@ -25,8 +25,8 @@ from mist_core import reasons
 from mist_core.formats import REJECT_SCHEMA
 from mist_core.models import wrap_model
 from mist_core.scorer import combine, zscore
-from pipelines.compress import parse_args
-from pipelines.settings import ConfigError
+from pipelines.job.compress import parse_args
+from pipelines.common.settings import ConfigError
 from pipelines.job.output import Output
 from pipelines.job.budget import ErrorBudget
 from pipelines.job.sink import WriteStats

@@ -1,13 +1,14 @@
-"""The one error policy of every entry point (pipelines/errors.py): the exit status of each
+"""The one error policy of every entry point (pipelines/common/exits.py): the exit status of each
 kind of error, one `error:` line, and a bug's traceback kept."""
 from pathlib import Path
 
 import pytest
 
 from mist_core.errors import MissingDependency, UnsupportedModel
-from pipelines import errors, evaluate, saliency
-from pipelines.errors import (AccountingError, ConfigError, ErrorBudgetExceeded, ModelLoadError,
-                              classify, run_main)
+from pipelines.common import exits
+from pipelines.evaluation import evaluate, saliency
+from pipelines.common.errors import AccountingError, ConfigError, ErrorBudgetExceeded, ModelLoadError
+from pipelines.common.exits import classify, run_main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,7 +25,7 @@ def test_each_kind_has_its_status(error, status):
 def test_a_model_that_failed_in_an_actor_is_found_in_rays_text():
     # Ray reports an actor whose constructor raised only as text, inside its own error.
     died = RuntimeError("The actor died because of an error raised in its creation task\n"
-                        "pipelines.errors.ModelLoadError: a scoring actor could not load --model x: gone\n")
+                        "pipelines.common.errors.ModelLoadError: a scoring actor could not load --model x: gone\n")
     try:
         try:
             raise died
@@ -93,7 +94,7 @@ def test_every_reason_the_code_names_is_declared():
 
     root = Path(__file__).resolve().parents[1]
     named = set()
-    for path in [*root.glob("mist_core/*.py"), *root.glob("pipelines/*.py")]:
+    for path in [*root.glob("mist_core/*.py"), *root.glob("pipelines/**/*.py")]:
         text = path.read_text(encoding="utf-8")
         named |= set(re.findall(r'InvalidExample\(\s*"(\w+)"', text))
         named |= set(re.findall(r'^(?:[A-Z_]+) = "(\w+)"  # ', text, re.M)) & set(FAILURES)
@@ -140,7 +141,7 @@ def test_an_unreadable_input_is_refused_before_reading(tmp_path, monkeypatch):
     model has loaded. (Root reads any file, so the permission is denied by os.access here.)"""
     import os
 
-    from pipelines import storage
+    from pipelines.common import storage
 
     (tmp_path / "a.jsonl").write_text('{"question": "q", "cot": "c", "answer": "1"}\n')
     (tmp_path / "b.jsonl").write_text('{"question": "q", "cot": "c", "answer": "2"}\n')
@@ -154,7 +155,7 @@ def test_an_unreadable_input_is_refused_before_reading(tmp_path, monkeypatch):
 
 
 def test_a_storage_refusal_is_bad_input_and_an_outage_is_not():
-    from pipelines import storage
+    from pipelines.common import storage
 
     refused = OSError("When getting information for key 'in.jsonl' in bucket 'bkt': AWS Error "
                       "ACCESS_DENIED during HeadObject operation: No response body.")
@@ -162,7 +163,7 @@ def test_a_storage_refusal_is_bad_input_and_an_outage_is_not():
     status, line = classify(refused)
     assert status == 2 and line.startswith("storage refused access: ") and "credentials" in line
     outage = OSError("AWS Error SERVICE_UNAVAILABLE during GetObject operation: HTTP status 503")
-    assert not storage.denied(outage) and classify(outage)[0] == errors.STORAGE
+    assert not storage.denied(outage) and classify(outage)[0] == exits.STORAGE
 
 
 def _first_lines(cmd: list[str], env: dict) -> tuple[int, list[str], list[str], float]:

@@ -1,6 +1,6 @@
 """The evaluation harness end to end on a tiny model (the CI smoke version of the full
-evaluation): `pipelines.evaluate` on local Ray, then `pipelines.report` and
-`pipelines.saliency`."""
+evaluation): `pipelines.evaluation.evaluate` on local Ray, then `pipelines.evaluation.report` and
+`pipelines.evaluation.saliency`."""
 from __future__ import annotations
 
 import json
@@ -8,12 +8,12 @@ import math
 
 import pytest
 
-from pipelines import evaluate, report, saliency
-from pipelines.results import ALL_METHODS
+from pipelines.evaluation import evaluate, report, saliency
+from pipelines.evaluation.results import ALL_METHODS
 
 from conftest import make_model
 
-pytestmark = pytest.mark.integration  # pipelines.evaluate on an in-process Ray
+pytestmark = pytest.mark.integration  # pipelines.evaluation.evaluate on an in-process Ray
 
 METHODS = [m for m in ALL_METHODS if m != "llmlingua2"]  # needs the hub: not in CI
 
@@ -58,7 +58,7 @@ def test_evaluate_report_and_saliency(tmp_path, tiny_dir):
     assert ex["exact"]["layers"] == [1, 2, 3]
     assert all(0 <= v <= 1 for axis in ("necessity", "sufficiency") for v in ex["exact"][axis].values())
     meta = json.loads((out / "run.json").read_text())
-    assert meta["status"] == "done" and meta["sample"] == 4 and "pipelines.evaluate" in meta["command"]
+    assert meta["status"] == "done" and meta["sample"] == 4 and "pipelines.evaluation.evaluate" in meta["command"]
 
     # a rerun resumes: nothing left to do; other settings on the same folder are refused
     assert evaluate.main(argv) == 0
@@ -78,7 +78,7 @@ def test_evaluate_report_and_saliency(tmp_path, tiny_dir):
     captions = [line for line in md.splitlines() if line.startswith("*Figure")]
     assert len(captions) == 3
     for caption in captions:
-        for needle in (tiny_dir.name, "demo:12", "n = 4", "seed 3", "pipelines.evaluate"):
+        for needle in (tiny_dir.name, "demo:12", "n = 4", "seed 3", "pipelines.evaluation.evaluate"):
             assert needle in caption, (caption, needle)
     assert "| `full` | 100 [100, 100] |" in md and "| `nochain` | 0 [0, 0] |" in md
 

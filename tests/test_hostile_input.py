@@ -26,8 +26,10 @@ from conftest import loopback_ray
 from mist_core.demo import demo_corpus
 from mist_core.examples import stable_id
 from mist_core.formats import extra_value, kinds_type, value_kind
-from pipelines import compress, storage
-from pipelines.settings import JobConfig, validate
+from pipelines.job import compress
+from pipelines.common import storage
+from pipelines.job.config import JobConfig
+from pipelines.common.settings import validate
 
 BUDGETS = [0.5, 0.8]
 

@@ -13,9 +13,10 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from pipelines import compress
-from pipelines.settings import (ConfigError, EvalConfig, JobConfig, MAX_CONFIG_BYTES,
-                                from_mapping, load_yaml)
+from pipelines.job import compress
+from pipelines.common.settings import ConfigError, MAX_CONFIG_BYTES, from_mapping, load_yaml
+from pipelines.evaluation.config import EvalConfig
+from pipelines.job.config import JobConfig
 
 MAX_MESSAGE = 600  # a message names the setting and a shortened value: a line, not a dump
 
@@ -99,10 +100,10 @@ def test_a_long_value_is_shortened_in_the_message(tmp_path):
         _parse_file(tmp_path, "budgets: [" + ", ".join(["x" * 1000] * 200) + "]\n")
     assert "budgets" in _one_line(e.value)
     with pytest.raises(ConfigError) as e:
-        from_mapping({"template": "t" * 100_000})
+        from_mapping({"template": "t" * 100_000}, kind=JobConfig)
     assert "template must be one of" in _one_line(e.value)
     with pytest.raises(ConfigError) as e:
-        from_mapping({"k" * 100_000: 1})
+        from_mapping({"k" * 100_000: 1}, kind=JobConfig)
     assert "unknown setting" in _one_line(e.value)
 
 
@@ -112,7 +113,7 @@ def test_a_long_value_is_shortened_in_the_message(tmp_path):
 def test_an_int_with_no_repr_is_one_line(values):
     """Past int()'s digit limit a number has no repr: a message may not need one (a huge
     number of actors is valid as settings; the cluster refuses it later)."""
-    _settings_or_one_line(lambda: from_mapping(values))
+    _settings_or_one_line(lambda: from_mapping(values, kind=JobConfig))
 
 
 def test_a_good_config_still_reads(tmp_path):
@@ -202,7 +203,7 @@ def _sft_file(tmp_path) -> Path:
 ])
 def test_train_on_records_that_are_not_sft_is_one_line_before_the_model(tmp_path, capsys,
                                                                         monkeypatch, line):
-    from pipelines import loop
+    from pipelines.loop import base as loop
 
     def no_model(*a, **k):
         raise AssertionError("the model loaded before the records were checked")
@@ -217,7 +218,7 @@ def test_train_on_records_that_are_not_sft_is_one_line_before_the_model(tmp_path
 
 def test_train_refuses_an_earlier_model_unless_asked_to_overwrite(tmp_path, capsys, monkeypatch):
     from mist_core import finetune as F
-    from pipelines import loop
+    from pipelines.loop import base as loop
 
     trained = []
 
@@ -250,7 +251,7 @@ def test_train_refuses_an_earlier_model_unless_asked_to_overwrite(tmp_path, caps
 
 def test_a_failed_training_leaves_the_earlier_model(tmp_path, monkeypatch):
     from mist_core import finetune as F
-    from pipelines import loop
+    from pipelines.loop import base as loop
 
     def broken(model, records, out, **options):
         (Path(out) / "model.safetensors").write_text("half")

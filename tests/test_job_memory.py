@@ -7,7 +7,8 @@ import pytest
 
 from conftest import loopback_ray
 from mist_core import Example, MistScorer, load_model
-from pipelines import compress, storage
+from pipelines.job import compress
+from pipelines.common import storage
 
 pytestmark = pytest.mark.integration  # the job on a local Ray
 
@@ -66,7 +67,7 @@ def test_cpu_model_actors_start_with_huge_page_allocation(local_ray, monkeypatch
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)  # the driver's value would win
 
     from mist_core import allocator
-    from pipelines import runtime
+    from pipelines.common import runtime
 
     class Probe:  # defined here so that Ray ships it by value
         def __call__(self, batch):

@@ -17,8 +17,9 @@ from mist_core import InvalidExample, get_adapter, get_template
 from mist_core.examples import stable_id
 from mist_core.longcot import split_thinking
 from mist_core.templates import ANSWER_LEAD, ChatTemplate, ThinkTemplate
-from pipelines import compress, storage
-from pipelines.rows import parse_examples, parse_row
+from pipelines.job import compress
+from pipelines.common import storage
+from pipelines.common.rows import parse_examples, parse_row
 
 Q = "Janet has 16 eggs and eats 3. How many are left?"
 THINK = "She has 16 eggs. She eats 3, so 16 - 3 = 13 eggs are left."

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from mist_core import InvalidExample, MistScorer, allocator, memory
+from mist_core import InvalidExample, MistScorer, allocator
 from mist_core.baselines import GoGIScorer
 from mist_core.allocator import CPU_SCORING_ENV, cpu_scoring_env
 from mist_core.memory import Footprint, measure, parse_bytes
 from mist_core.passes import Plan
-from pipelines.bench import synthetic_encoded
+from pipelines.bench.scorer import synthetic_encoded
 from reference import first_order
 
 FIELDS = ["necessity_per_layer", "sufficiency_per_layer", "layer_weights", "necessity",

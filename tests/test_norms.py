@@ -8,7 +8,7 @@ import torch
 
 from mist_core import MistScorer, norms
 from mist_core.passes import Plan
-from pipelines.bench import synthetic_encoded
+from pipelines.bench.scorer import synthetic_encoded
 
 
 def norm_modules(model):

@@ -16,9 +16,10 @@ from conftest import loopback_ray
 from mist_core.demo import demo_corpus
 from mist_core.formats import (DATA_COLUMNS, REJECT_SCHEMA, directive, llamafactory_entry,
                                sft_records)
-from pipelines import compress
-from pipelines.settings import JobConfig, validate
-from pipelines.sources import RAW_SCHEMA
+from pipelines.job import compress
+from pipelines.job.config import JobConfig
+from pipelines.common.settings import validate
+from pipelines.common.sources import RAW_SCHEMA
 from pipelines.job.stages import REJECT, prepare_batch
 
 BUDGETS = [0.5, 0.8]

@@ -17,8 +17,10 @@ from conftest import loopback_ray
 from mist_core import Example, get_template, prune
 from mist_core.formats import DATA_COLUMNS, directive
 from mist_core.demo import demo_corpus
-from pipelines import compress, storage
-from pipelines.settings import ConfigError, JobConfig, validate
+from pipelines.job import compress
+from pipelines.common import storage
+from pipelines.common.settings import ConfigError, validate
+from pipelines.job.config import JobConfig
 from s3_server import SECRET_KEY, environ_patch, keys, moto_s3, s3_client, s3_env
 
 pytestmark = pytest.mark.integration  # moto_server and the job on a local Ray

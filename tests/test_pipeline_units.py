@@ -15,15 +15,16 @@ from mist_core.demo import demo_corpus
 from mist_core.formats import (budget_label, data_rows, data_schema, directive, extra_name,
                                extra_value, fits, kinds_type, pick_budget, sft_messages,
                                sft_records, sft_tokenskip, value_kind)
-from pipelines import storage
+from pipelines.common import storage
 from pipelines.cli import main as cli_main
-from pipelines.compress import AccountingError, Plan, reconcile
-from pipelines.compress import parse_args
-from pipelines.settings import ConfigError, JobConfig, from_mapping
+from pipelines.job.compress import AccountingError, Plan, reconcile
+from pipelines.job.compress import parse_args
+from pipelines.common.settings import ConfigError, from_mapping
+from pipelines.job.config import JobConfig
 from pipelines.job.output import Existing
 from pipelines.job.sink import WriteStats
-from pipelines.sources import jsonl_lines, parse_hf
-from pipelines.rows import parse_row
+from pipelines.common.sources import jsonl_lines, parse_hf
+from pipelines.common.rows import parse_row
 
 # ------------------------------------------------------------------ formats
 
@@ -171,10 +172,10 @@ def test_yaml_then_flags(tmp_path):
     ({"device": "cuda", "gpus_per_actor": 0}, "device cuda needs a GPU"),
 ])
 def test_bad_settings_say_why(values, message):
-    from pipelines.settings import validate
+    from pipelines.common.settings import validate
 
     with pytest.raises(ConfigError, match=message):
-        validate(from_mapping(values))
+        validate(from_mapping(values, kind=JobConfig))
 
 
 def test_columns_mapping():
@@ -194,7 +195,7 @@ def test_cli_dispatch(capsys):
 
 
 def test_bad_config_file_exits_2(tmp_path, capsys):
-    from pipelines.compress import main
+    from pipelines.job.compress import main
 
     (tmp_path / "bad.yaml").write_text("budgets: [2.0]\n")
     assert main(["--config", str(tmp_path / "bad.yaml")]) == 2
@@ -344,7 +345,7 @@ def test_reconcile_catches_duplicates_in_output():
 def test_example_config_is_valid():
     from pathlib import Path
 
-    cfg = parse_args(["--config", str(Path(__file__).parents[1] / "pipelines/configs/gsm8k.yaml")])
+    cfg = parse_args(["--config", str(Path(__file__).parents[1] / "pipelines/job/configs/gsm8k.yaml")])
     assert cfg.adapter == "gsm8k" and cfg.gpus_per_actor == 1.0 and cfg.actors == (1, 4)
 
 
@@ -372,7 +373,7 @@ def test_hugging_face_input(tmp_path, monkeypatch):
     """hf://… goes through `datasets`; a local dataset folder stands in for the Hub."""
     import datasets
 
-    from pipelines.sources import hf_table
+    from pipelines.common.sources import hf_table
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
     folder = tmp_path / "ds"

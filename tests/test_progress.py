@@ -19,10 +19,12 @@ import pyarrow as pa
 import pytest
 
 from mist_core.demo import demo_corpus
-from pipelines import compress, runtime, sources, storage
+from pipelines.job import compress
+from pipelines.common import runtime, sources, storage
 from pipelines.job import placement, stages
-from pipelines.compress import parse_args
-from pipelines.settings import ConfigError, JobConfig
+from pipelines.job.compress import parse_args
+from pipelines.common.settings import ConfigError
+from pipelines.job.config import JobConfig
 
 REPO = Path(__file__).resolve().parents[1]
 LINE = re.compile(r"\[progress\] (\d+)/(\d+) chains scored \((\d+)%\), ([\d.e+-]+) chains/s, "

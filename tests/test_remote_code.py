@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from mist_core.formats import sft_prompt_completion
-from pipelines import loop, rows
-from pipelines.errors import ConfigError
+from pipelines.loop import base as loop
+from pipelines.common import rows
+from pipelines.common.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,7 +72,7 @@ def test_the_actor_loader_passes_the_flag(monkeypatch):
 
 
 def test_the_loop_commands_take_the_flag():
-    from pipelines import generate, solve, train
+    from pipelines.loop import generate, solve, train
 
     for module, argv in ((generate, ["--input", "q", "--output", "o"]),
                          (solve, ["--input", "q", "--output", "o"]),

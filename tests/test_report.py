@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import evaluate, report
+from pipelines.evaluation import evaluate, report
 from pipelines.cli import main as mist
-from pipelines.results import RESULTS, RUN
+from pipelines.evaluation.results import RESULTS, RUN
 
 PUBLISHED = Path(__file__).resolve().parents[1] / "docs" / "results" / "runs" / "gsm8k"
 

@@ -179,7 +179,7 @@ def test_batches_mixing_shared_prefixes_with_none(tiny_lm64):
     """A row whose inputs share no prefix (shared length 0) batched with rows that do."""
     from dataclasses import replace
 
-    from pipelines.bench import synthetic_encoded
+    from pipelines.bench.scorer import synthetic_encoded
 
     encs = synthetic_encoded(3, 12, vocab=tiny_lm64.model.config.vocab_size, seed=3)
     e = encs[0]

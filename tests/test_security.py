@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import compress, rows, sources, storage
+from pipelines.job import compress
+from pipelines.common import rows, sources, storage
 from pipelines.job import stages
-from pipelines.compress import parse_args
-from pipelines.settings import ConfigError, JobConfig, validate
+from pipelines.job.compress import parse_args
+from pipelines.common.settings import ConfigError, validate
+from pipelines.job.config import JobConfig
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""One settings model for the job and the evaluation (pipelines/settings.py): each setting
+"""One settings model for the job and the evaluation (pipelines/common/settings.py): each setting
 declared once, the same from flags, YAML and Python, the parsers built from it."""
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import pickle
 
 import pytest
 
-from pipelines import compress, evaluate
-from pipelines.settings import (ConfigError, EvalConfig, JobConfig, Settings, build_parser,
-                                from_mapping, validate)
+from pipelines.job import compress
+from pipelines.evaluation import evaluate
+from pipelines.common.settings import ConfigError, Settings, build_parser, from_mapping, validate
+from pipelines.evaluation.config import EvalConfig
+from pipelines.job.config import JobConfig
 
 
 def _help(kind, prog="p") -> dict[str, str]:
@@ -107,7 +109,7 @@ def test_a_refresh_keeps_the_layer_weights_of_the_output():
     before the setting holds the paper's (signed) weights."""
     from types import SimpleNamespace
 
-    from pipelines.compress import check_compatible
+    from pipelines.job.compress import check_compatible
 
     out = SimpleNamespace(display=lambda: "outputs/x")
 

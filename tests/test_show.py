@@ -15,7 +15,8 @@ from hypothesis import given, settings, strategies as st
 
 from mist_core.demo import demo_corpus
 from mist_core.formats import DATA_SCHEMA, REJECT_SCHEMA, data_rows
-from pipelines import show, storage
+from pipelines.job import show
+from pipelines.common import storage
 from pipelines.cli import main as mist
 
 BUDGETS = [0.5, 0.8]
@@ -235,8 +236,9 @@ def test_show_on_a_job_output(tmp_path, model_dir, capsys):
     """What the job writes, shown: the counts are the manifest's, the bad line is a reject,
     and each budget's marks keep exactly its compressed chain."""
     from conftest import loopback_ray
-    from pipelines import compress as job
-    from pipelines.settings import JobConfig, validate
+    from pipelines.job import compress as job
+    from pipelines.job.config import JobConfig
+    from pipelines.common.settings import validate
 
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps(r) + "\n" for r in demo_corpus(5, seed=9)) + "{oops\n")

@@ -21,8 +21,9 @@ import ray
 from conftest import loopback_ray
 from fault_proxy import FaultProxy
 from mist_core.demo import demo_corpus
-from pipelines import compress
-from pipelines.settings import JobConfig, validate
+from pipelines.job import compress
+from pipelines.job.config import JobConfig
+from pipelines.common.settings import validate
 from s3_server import SECRET_KEY, environ_patch, keys, moto_s3, s3_client, s3_env
 
 pytestmark = pytest.mark.integration  # moto_server, the job on Ray and in subprocesses

@@ -10,7 +10,7 @@ import torch
 from mist_core import MistScorer, swiglu
 from mist_core.memory import saved_bytes
 from mist_core.passes import Plan
-from pipelines.bench import synthetic_encoded
+from pipelines.bench.scorer import synthetic_encoded
 
 
 def mlp_modules(model):

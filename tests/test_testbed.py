@@ -146,7 +146,7 @@ def test_problems_are_reproducible_and_disjoint():
 
 
 def test_t_interval_and_render(tmp_path):
-    from pipelines.testbed import READING, Sizes, existing_reading, render, t_interval
+    from pipelines.loop.testbed import READING, Sizes, existing_reading, render, t_interval
 
     m, h = t_interval([0.5, 0.6, 0.7])
     assert m == pytest.approx(0.6) and h == pytest.approx(4.303 * 0.1 / 3 ** 0.5)
@@ -164,7 +164,7 @@ def test_t_interval_and_render(tmp_path):
                          "no_chain": ctl}}
 
     seeds = {0: seed(0.6, 0.5), 1: seed(0.7, 0.5), 2: seed(0.8, 0.5)}
-    md = render(seeds, ["mist", "h2o"], Sizes(), "python -m pipelines.testbed", "Kept text.")
+    md = render(seeds, ["mist", "h2o"], Sizes(), "mist testbed", "Kept text.")
     assert "| mist | 0.5 | 70.0 ± 24.8 | 10.0 ± 0.0 | 40.0 ± 0.0 | 80.0 ± 0.0 | — |" in md
     assert "| 0.5 | 20.0 ± 24.8 | 0.0 ± 0.0 |" in md  # MIST − H2O, paired
     path = tmp_path / "downstream.md"
@@ -178,7 +178,7 @@ def test_oracle_variants_and_controls_prune_as_defined(problems, word_tokenizer)
     takes an α of the grid, and the equation unit keeps equations whole."""
     from mist_core.models import wrap_model
     from mist_core.synthetic import EQUATION as STEP
-    from pipelines.testbed import ALPHAS, score_and_prune
+    from pipelines.loop.testbed import ALPHAS, score_and_prune
 
     lm = wrap_model(tiny_llama(word_tokenizer, layers=2, hidden=32), word_tokenizer, "t")
     chains = [{**p.row(), "source_id": p.id} for p in problems[:4]]
@@ -196,7 +196,7 @@ def test_oracle_variants_and_controls_prune_as_defined(problems, word_tokenizer)
             text = compressed["mist_equation"][c["id"]][g]
             assert text.count("=") == len(STEP.findall(text))
     # oracle_near fills by distance to the ground truth and the `=` signs
-    from pipelines.testbed import _nearness
+    from pipelines.loop.testbed import _nearness
     np.testing.assert_allclose(_nearness(np.array([0, 0, 1, 0, 0, 0, 1], bool)),
                                [1 / 3, 1 / 2, 1, 1 / 2, 1 / 3, 1 / 2, 1])
     assert not _nearness(np.zeros(3, bool)).any()
@@ -204,7 +204,7 @@ def test_oracle_variants_and_controls_prune_as_defined(problems, word_tokenizer)
     from mist_core.examples import Example
     from mist_core.scorer import zscore
     from mist_core.templates import get_template
-    from pipelines.testbed import _scored
+    from pipelines.loop.testbed import _scored
 
     template = get_template("auto", lm.tokenizer, lm.max_length)
     encoded = [template.encode(Example(c["question"], c["cot"], c["answer"], id=c["id"]))
@@ -216,7 +216,7 @@ def test_oracle_variants_and_controls_prune_as_defined(problems, word_tokenizer)
 
 
 def test_the_default_arm_against_the_others_and_the_line(tmp_path):
-    from pipelines.testbed import DEFAULT_ARM, line_margin, plot, render, Sizes
+    from pipelines.loop.testbed import DEFAULT_ARM, line_margin, plot, render, Sizes
 
     def arm(acc, tokens):
         return {"budgets": {g: {"accuracy": acc + d, "chain_tokens": tokens}
@@ -234,7 +234,7 @@ def test_the_default_arm_against_the_others_and_the_line(tmp_path):
     # the line at 20 of 40 tokens: 0.1 + 0.7 / 2 = 0.45
     assert line_margin(seeds[0], DEFAULT_ARM, 0.5) == pytest.approx(0.15)
     assert line_margin(seeds[0], "h2o", 0.5) == pytest.approx(-0.05)
-    md = render(seeds, [DEFAULT_ARM, "h2o"], Sizes(), "python -m pipelines.testbed", "")
+    md = render(seeds, [DEFAULT_ARM, "h2o"], Sizes(), "mist testbed", "")
     assert "| h2o | 18.5 ± 2.1 | ahead | 18.5 ± 2.1 | ahead |" in md  # 0.20 − 0.01·i, t(3) = 3.182
     assert "| full_chain | -18.5 ± 2.1 | behind |" in md
     assert "| shortest_of_k | 4.0 ± 8.2 | tie |" in md  # −0.02 + 0.04·i: the interval spans 0
@@ -249,7 +249,7 @@ def test_smoke_run_has_signal(tmp_path):
     """The whole loop at smoke size: a target trained from scratch, its own chains scored
     by MIST and H2O, fine-tuned copies, the controls. The experiment has signal only if a
     model trained on full chains answers better than one trained on answers alone."""
-    from pipelines.testbed import main
+    from pipelines.loop.testbed import main
 
     out = tmp_path / "out"
     assert main(["--smoke", "--out", str(out), "--work", str(tmp_path / "work")]) == 0
@@ -264,5 +264,5 @@ def test_smoke_run_has_signal(tmp_path):
         kept = seed["kept"][method]["0.5"]
         assert 0 <= kept["precision"] <= 1 and 0 <= kept["recall"] <= 1 and kept["n"] > 0
     md = (out / "downstream.md").read_text()
-    assert "python -m pipelines.testbed --smoke" in md
+    assert "mist testbed --smoke" in md
     assert "| mist | 0.5 |" in md and "| no_chain | 1 |" in md

@@ -22,8 +22,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from mist_core.demo import demo_corpus
-from pipelines import compress
-from pipelines.errors import AccountingError, OutputBusy
+from pipelines.job import compress
+from pipelines.common.errors import AccountingError, OutputBusy
 from pipelines.job import lease
 from pipelines.job.output import Output
 from s3_server import environ_patch, keys, moto_s3, s3_client, s3_env
@@ -306,7 +306,8 @@ def test_rows_per_file_is_the_commit_group_whatever_block_ray_hands_the_writer(t
     data/ file (issue 30, case 8)."""
     from pipelines.job.sink import OutputSink
     from pipelines.job.stages import OK, STREAM_SCHEMA
-    from pipelines.settings import JobConfig, validate
+    from pipelines.job.config import JobConfig
+    from pipelines.common.settings import validate
 
     cfg = validate(JobConfig(input=["x.jsonl"], output=str(tmp_path), budgets=[0.5],
                              rows_per_file=2))
@@ -352,10 +353,11 @@ def test_duplicated_rows_name_their_remedy():
     status 3): the message says how to rebuild it."""
     from collections import Counter as C
 
-    from pipelines.compress import Plan, reconcile
+    from pipelines.job.compress import Plan, reconcile
     from pipelines.job.output import Existing
     from pipelines.job.sink import WriteStats
-    from pipelines.settings import JobConfig, validate
+    from pipelines.job.config import JobConfig
+    from pipelines.common.settings import validate
 
     cfg = validate(JobConfig(input=["x.jsonl"], output="out", budgets=[0.5]))
     plan = Plan(read=0, examples=0, invalid=0, done=0, duplicates=0, to_score=0,

@@ -1,6 +1,5 @@
-"""The compression job's internals (its command and driver: pipelines/compress.py): the
+"""The compression job: its command and driver (compress.py) and settings (config.py), the
 stages every row passes (stages.py: validate and tokenize, score, prune), the writer
 (sink.py) and the output folder it writes (output.py), the one-writer lease on that folder
-(lease.py), where the scoring actors run and the
-progress line (placement.py), the error budget (budget.py), and the faults tests inject
-(faults.py)."""
+(lease.py), where the scoring actors run and the progress line (placement.py), the error
+budget (budget.py), and `mist show`, the output viewer (show.py)."""

@@ -37,7 +37,7 @@ class ErrorBudget:
         if first:
             detail = first.get("detail") or ""
             detail = detail if len(detail) <= 300 else detail[:300] + "…"
-            from ..storage import redact
+            from ..common.storage import redact
 
             where = f"{redact(first.get('source') or '?')} row {first.get('row')}"
             if first.get("id") is not None:

@@ -31,8 +31,8 @@ import threading
 
 import pyarrow.fs as pafs
 
-from .. import storage
-from ..errors import AccountingError, ConfigError, OutputBusy
+from ..common import storage
+from ..common.errors import AccountingError, ConfigError, OutputBusy
 
 LEASE = "_lease.json"
 TTL_ENV = "MIST_LEASE_TTL_S"

@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 
 from mist_core.formats import DATA_COLUMNS, LLAMAFACTORY_NAME, budget_label, llamafactory_entry
 
-from .. import storage
-from ..errors import ConfigError
+from ..common import storage
+from ..common.errors import ConfigError
 from .lease import LEASE
 from .sink import DIRS, reject_key
 

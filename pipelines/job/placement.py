@@ -19,7 +19,7 @@ import time
 import ray
 
 from .budget import on_driver_node
-from ..errors import ConfigError
+from ..common.errors import ConfigError
 
 log = logging.getLogger(__name__)
 STATS_NAME = "mist-actor-stats-"  # + the run id: the ActorStats actor's name

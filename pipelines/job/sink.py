@@ -29,10 +29,10 @@ from mist_core.formats import (REJECT_SCHEMA, SCORES_SCHEMA, budget_label, data_
                                data_schema, sft_records)
 from mist_core.reasons import FAILURE_REASONS
 
-from .. import storage
+from ..common import storage
 from .budget import ErrorBudget
-from ..settings import JobConfig
-from ..errors import ErrorBudgetExceeded
+from .config import JobConfig
+from ..common.errors import ErrorBudgetExceeded
 from .stages import OK, REJECT, SKIP
 
 DIRS = ("data", "sft", "scores", "rejects")

@@ -21,10 +21,11 @@ from mist_core.formats import value_kind
 from mist_core.prune import prune_scores, token_pieces
 from mist_core.templates import Encoded
 
-from . import faults, placement
-from ..rows import parse_examples, readable_id, template_for
-from ..settings import JobConfig
-from ..errors import ModelLoadError
+from ..common import faults
+from . import placement
+from ..common.rows import parse_examples, readable_id, template_for
+from .config import JobConfig
+from ..common.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 

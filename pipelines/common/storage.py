@@ -41,7 +41,7 @@ _TRANSIENT = re.compile(r"NETWORK_CONNECTION|SERVICE_UNAVAILABLE|SLOW_DOWN|INTER
                         r"connection (reset|refused|closed)|timed out|Unavailable|"
                         r"DeadlineExceeded", re.IGNORECASE)
 _SECRETS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
-log = logging.getLogger("pipelines.storage")
+log = logging.getLogger("pipelines.common.storage")
 _retrying = threading.local()
 
 

@@ -8,7 +8,7 @@ keeps. Once per chain: necessity vs sufficiency rank statistics; on a small subs
 first-order vs exact interventions. One JSON record per chain goes to
 <output>/results.jsonl as soon as it is done (a rerun resumes where a crash stopped);
 <output>/run.json holds the settings, the command and the timings.
-`python -m pipelines.report` turns one or more such folders into tables and plots.
+`mist report` turns one or more such folders into tables and plots.
 
 Runs on a local Ray (default) or a cluster (--address or $RAY_ADDRESS); each actor holds
 one model replica and evaluates whole chains."""
@@ -29,14 +29,15 @@ import ray
 from mist_core.errors import InvalidExample, MissingDependency
 from mist_core.taxonomy import TYPES
 
-from . import errors, runtime
-from .rows import parse_row, template_for
-from .errors import ConfigError
-from .settings import EvalConfig, one_line, parse
+from ..common import exits, runtime
+from ..common.rows import parse_row, template_for
+from ..common.errors import ConfigError
+from .config import EvalConfig
+from ..common.settings import one_line, parse
 from .results import BASELINES, POSITIONAL, RESULTS, RUN, read_records, variant_name
-from .sources import read_raw, resolve_inputs
+from ..common.sources import read_raw, resolve_inputs
 
-log = logging.getLogger("pipelines.evaluate")
+log = logging.getLogger("pipelines.evaluation.evaluate")
 
 # Settings a resumed run must share with the results already in its folder.
 _SAME = ("input", "adapter", "columns", "model", "methods", "budgets", "sample", "seed", "unit",
@@ -286,7 +287,7 @@ def run(cfg: EvalConfig, argv: list[str]) -> dict:
     wanted, n_valid = choose(plan, cfg.sample, cfg.seed, cfg.exact_n)
     todo = {k: v for k, v in wanted.items() if k not in done}
     meta = {"config": cfg.to_dict(), "model_name": model_name,
-            "command": "python -m pipelines.evaluate " + shlex.join(argv),
+            "command": "mist eval " + shlex.join(argv),
             "corpus_rows": plan.num_rows, "corpus_valid": n_valid, "sample": len(wanted),
             "exact_rows": sum(wanted.values()), "token_types": list(TYPES),
             "versions": runtime.versions()}
@@ -327,9 +328,9 @@ def run(cfg: EvalConfig, argv: list[str]) -> dict:
 
 EPILOG = """\
 examples:
-  python -m pipelines.evaluate --input ../shared/data/gsm8k/test.jsonl --adapter gsm8k \\
+  mist eval --input ../shared/data/gsm8k/test.jsonl --adapter gsm8k \\
       --sample 200 --output docs/results/runs/gsm8k
-  python -m pipelines.report docs/results/runs/gsm8k --out docs/results
+  mist report docs/results/runs/gsm8k --out docs/results
 """
 
 
@@ -338,8 +339,8 @@ def parse_args(argv: list[str] | None, prog: str) -> EvalConfig:
     return parse(EvalConfig, argv, prog, __doc__.split("\n\n")[0], EPILOG)
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m pipelines.evaluate") -> int:
-    errors.setup_logging()
+def main(argv: list[str] | None = None, prog: str = "mist eval") -> int:
+    exits.setup_logging()
     argv = sys.argv[1:] if argv is None else list(argv)
 
     def body() -> int:
@@ -353,7 +354,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.evaluat
         print(console_table(cfg.output), end="", flush=True)
         return 0
 
-    return errors.run_main(body)
+    return exits.run_main(body)
 
 
 if __name__ == "__main__":

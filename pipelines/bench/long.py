@@ -3,9 +3,9 @@ forwards of the same input (median of alternating repeats, in one process) and t
 memory beyond the loaded model (each in a process of its own, so that no earlier peak
 counts).
 
-    python -m pipelines.bench --sweep 256,1024,4096,7680                  # library defaults
-    python -m pipelines.bench --sweep 4096,7680 --max-memory 1GB          # under a cap
-    python -m pipelines.bench --sweep 8192 --model random:qwen2.5-7b --device cuda --dtype bfloat16
+    mist bench --sweep 256,1024,4096,7680                  # library defaults
+    mist bench --sweep 4096,7680 --max-memory 1GB          # under a cap
+    mist bench --sweep 8192 --model random:qwen2.5-7b --device cuda --dtype bfloat16
 
 A chain is consecutive GSM8K training solutions joined into one, cut to the length, with the
 first problem's question and answer (random tokens for a random: model)."""
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 
 
@@ -86,7 +86,7 @@ def _sync(device):
 def worker(spec: dict) -> dict:
     """One measurement in this process: `what` is time, score (memory) or forward (memory)."""
     from mist_core import MistScorer, load_model
-    from pipelines.shapes import random_model
+    from pipelines.bench.shapes import random_model
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
@@ -183,7 +183,7 @@ def worker(spec: dict) -> dict:
 
 
 def _run(spec: dict, python: str, env: dict) -> dict:
-    cmd = [python, "-m", "pipelines.bench_long", json.dumps(spec)]
+    cmd = [python, "-m", "pipelines.bench.long", json.dumps(spec)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else

@@ -18,13 +18,13 @@ from mist_core.errors import InvalidExample
 from mist_core.examples import stable_id
 from mist_core.fields import row_id
 
-from . import errors, runtime, storage
-from .rows import parse_examples, remote_code_refused
-from .settings import Settings, one_line, parse_actors, parse_columns
-from .errors import ConfigError, ModelLoadError
-from .sources import check_submitted_paths, read_raw, resolve_inputs
+from ..common import exits, runtime, storage
+from ..common.rows import parse_examples, remote_code_refused
+from ..common.settings import Settings, one_line, parse_actors, parse_columns
+from ..common.errors import ConfigError, ModelLoadError
+from ..common.sources import check_submitted_paths, read_raw, resolve_inputs
 
-log = logging.getLogger("pipelines.loop")
+log = logging.getLogger("pipelines.loop.base")
 
 QUESTION_SCHEMA = pa.schema([
     ("input", pa.int64()), ("source", pa.string()), ("row", pa.int64()),
@@ -269,10 +269,10 @@ def run_main(run, argv, parse, prog: str) -> int:
     """Parse and run under the entry points' one error policy (errors.run_main): exit 2
     for settings, input or a model that cannot load, 4 for storage that stayed
     unavailable, a one-line `error:` each."""
-    errors.setup_logging()
+    exits.setup_logging()
     def body() -> int:
         args = parse(argv, prog)
         with runtime.console(getattr(args, "verbose", False)):
             return run(args)
 
-    return errors.run_main(body)
+    return exits.run_main(body)

@@ -30,8 +30,9 @@ import pyarrow as pa
 
 from mist_core.errors import MissingDependency
 
-from . import loop, runtime, storage
-from .errors import ConfigError
+from . import base as loop
+from ..common import runtime, storage
+from ..common.errors import ConfigError
 
 SAMPLE_SCHEMA = pa.schema([
     ("id", pa.string()), ("source_id", pa.string()), ("sample", pa.int64()),
@@ -270,7 +271,7 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m pipelines.generate") -> int:
+def main(argv: list[str] | None = None, prog: str = "mist generate") -> int:
     return loop.run_main(run, sys.argv[1:] if argv is None else list(argv), parse_args, prog)
 
 

@@ -2,7 +2,7 @@
 hand. It prints the manifest's headline, the mean kept share per budget, the reject reasons
 with their counts, and a few examples side by side: the original chain, then each budget's
 compressed chain with the words it dropped marked ([-like this-], or dimmed on a terminal).
---html writes the same as a page in the style of the saliency view (pipelines/saliency.py).
+--html writes the same as a page in the style of the saliency view (pipelines/evaluation/saliency.py).
 
     mist show outputs/demo
     mist show s3://bucket/mist/gsm8k --rows 3 --html preview.html
@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 from mist_core.formats import DATA_COLUMNS, budget_label
 
-from . import errors, page, storage
+from ..common import exits, page, storage
 
 # The name pipelines/job/output.py writes (not imported from there: it pulls in Ray).
 MANIFEST = "_manifest.json"
@@ -73,7 +73,7 @@ def load(uri: str, rows: int = 2, ids: list[str] | None = None) -> Preview:
     if manifest is not None:
         totals = manifest["totals"]
     else:  # an unfinished run: count what is there (imported here: it pulls in Ray)
-        from .job.output import Output
+        from .output import Output
 
         totals = Output(uri).totals()
     return Preview(output=storage.redact(prefix + root), manifest=manifest,
@@ -360,7 +360,7 @@ def render_html(p: Preview) -> str:
     return "\n".join(out) + "\n"
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m pipelines.show") -> int:
+def main(argv: list[str] | None = None, prog: str = "mist show") -> int:
     """`mist show`: print the preview of an output folder (and write --html).
 
     Args:
@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.show") 
             print(f"wrote {a.html}")
         return 0
 
-    return errors.run_main(body)
+    return exits.run_main(body)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 unified MIST score, and what each budget keeps, as HTML (hover a token for its numbers)
 and PNG.
 
-    python -m pipelines.saliency --input ../shared/data/gsm8k/test.jsonl --adapter gsm8k \\
+    mist saliency --input ../shared/data/gsm8k/test.jsonl --adapter gsm8k \\
         --row 1 --out docs/results
 
 The chain is read with the compression job's reader and adapter (any of its inputs; --row
@@ -19,12 +19,13 @@ import numpy as np
 
 from mist_core.adapters import ADAPTERS
 from mist_core.formats import budget_label
+from mist_core.prune import UNITS
 from mist_core.templates import TEMPLATES
 
-from . import errors, page
-from .rows import parse_row
-from .errors import ConfigError
-from .settings import UNITS, parse_columns, parse_floats
+from ..common import exits, page
+from ..common.errors import ConfigError
+from ..common.rows import parse_row
+from ..common.settings import parse_columns, parse_floats
 
 ROWS = ("necessity", "sufficiency", "unified")
 CMAPS = {"necessity": "Reds", "sufficiency": "Blues", "unified": "Purples"}
@@ -35,7 +36,7 @@ def read_example(inputs: list[str], adapter: str, columns: dict, row: int, fmt: 
     import pyarrow.compute as pc
     import ray
 
-    from .sources import read_raw, resolve_inputs
+    from ..common.sources import read_raw, resolve_inputs
 
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False)
@@ -178,7 +179,7 @@ def render_png(view: dict, caption: str, path: Path, width: int = 110) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(prog="python -m pipelines.saliency", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="mist saliency", description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="+", required=True)
     p.add_argument("--format", default="auto", choices=("auto", "jsonl", "parquet"))
     p.add_argument("--adapter", default="generic", choices=ADAPTERS)
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--template", default="auto", choices=TEMPLATES)
     p.add_argument("--out", default="docs/results", help="folder for saliency.html and saliency.png")
     a = p.parse_args(argv)
-    return errors.run_main(lambda: draw(a, argv))
+    return exits.run_main(lambda: draw(a, argv))
 
 
 def draw(a: argparse.Namespace, argv: list[str]) -> int:
@@ -201,7 +202,7 @@ def draw(a: argparse.Namespace, argv: list[str]) -> int:
     lm = load_model(a.model)
     view = chain_view(lm, ex, sorted(set(parse_floats(a.budgets))), a.alpha, a.unit, a.template)
     caption = (f"model {lm.name}; corpus {', '.join(a.input)} ({a.adapter}), row {a.row} "
-               f"(id {ex.key}); unit {a.unit}, α = {a.alpha}; command: python -m pipelines.saliency "
+               f"(id {ex.key}); unit {a.unit}, α = {a.alpha}; command: mist saliency "
                + shlex.join(argv))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

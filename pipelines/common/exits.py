@@ -10,57 +10,18 @@ what went wrong is said in one `error:` line on stderr and the exit status says 
   130  interrupted (Ctrl-C)
 
 Light on purpose (the standard library; torch, Ray and storage only on the error path):
-the settings module imports this one, and `mist --help` or `report` must not wait for torch."""
+`mist --help` or `report` must not wait for torch. The errors themselves are errors.py's."""
 from __future__ import annotations
 
 import logging
-import re
 import signal
 import sys
 from typing import Callable
 
+from .errors import AccountingError, ConfigError, ErrorBudgetExceeded, causes, model_load_message
+
 OK, BAD_INPUT, ACCOUNTING, STORAGE, ERROR_BUDGET = 0, 2, 3, 4, 5
 INTERRUPTED = 130  # Ctrl-C, as shells report a process that SIGINT ended (128 + 2)
-
-
-class ConfigError(ValueError):
-    """Settings that cannot run: the message says which and why."""
-
-
-class OutputBusy(ConfigError):
-    """Another run holds the output's lease (job/lease.py): this one refuses before work."""
-
-
-class AccountingError(RuntimeError):
-    """The counts of a run do not add up: rows were lost or duplicated."""
-
-
-class ErrorBudgetExceeded(RuntimeError):
-    """More rows failed (reasons.FAILURE_REASONS) than --max-error-share allows: the run
-    fails without a manifest (exit status 5), and a rerun redoes the failed rows."""
-
-
-class ModelLoadError(RuntimeError):
-    """The model's weights could not be loaded in an actor (its tokenizer could)."""
-
-
-def causes(e: BaseException) -> list[BaseException]:
-    """`e` and what caused it, outermost first (Ray Data wraps an actor's error in its own)."""
-    out = []
-    while e is not None and all(e is not seen for seen in out):
-        out.append(e)
-        inner = getattr(e, "cause", None)
-        e = inner if isinstance(inner, BaseException) else (e.__cause__ or e.__context__)
-    return out
-
-
-def model_load_message(e: BaseException) -> str | None:
-    """The message if `e` is a ModelLoadError, or reports one: Ray reports an actor whose
-    constructor raised as ActorDiedError, with the original error only as text."""
-    if isinstance(e, ModelLoadError):
-        return str(e)
-    found = re.search(r"ModelLoadError: (.+)", str(e))
-    return found.group(1).strip() if found else None
 
 
 def classify(e: BaseException) -> tuple[int, str] | None:
@@ -78,7 +39,7 @@ def classify(e: BaseException) -> tuple[int, str] | None:
     failure = next(filter(None, map(model_load_message, chain)), None)
     if failure is not None:  # a bad --model: Ray Data gives up at the first actor death
         return BAD_INPUT, failure
-    from . import storage
+    from . import storage  # pyarrow's filesystems: only on the error path
 
     refused = next(filter(storage.denied, chain), None)
     if isinstance(refused, PermissionError):

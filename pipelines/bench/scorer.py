@@ -1,10 +1,10 @@
 """Benchmark: how close MIST scoring runs to the cost of a plain forward pass.
 
-    python -m pipelines.bench                       # SmolLM2-135M-Instruct on 256 GSM8K test chains
-    python -m pipelines.bench --smoke               # seconds: a tiny random model, CI's version
-    python -m pipelines.bench --model random:qwen2.5-1.5b --synthetic 512 --chain-tokens 350 \
+    mist bench                       # SmolLM2-135M-Instruct on 256 GSM8K test chains
+    mist bench --smoke               # seconds: a tiny random model, CI's version
+    mist bench --model random:qwen2.5-1.5b --synthetic 512 --chain-tokens 350 \
         --device cuda --dtype bfloat16              # the GPU benchmark (see benchmarks/gpu.sh)
-    python -m pipelines.bench --pipeline            # also the Ray job ÷ a bare loop on the same chains
+    mist bench --pipeline            # also the Ray job ÷ a bare loop on the same chains
 
 All figures are ratios or rates measured in one run (medians over --repeats), printed as a
 table and written as JSON (--json)."""
@@ -30,7 +30,7 @@ from mist_core.tracing import pad
 
 from .shapes import SHAPES, random_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 PEAK_FLOPS = {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}  # H200 SXM, dense
 
@@ -235,7 +235,7 @@ def table(r: dict) -> str:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(prog="python -m pipelines.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="mist bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="a model spec, or random:<shape> with shape in %s" % sorted(SHAPES))
@@ -261,7 +261,7 @@ def parse(argv=None):
     p.add_argument("--smoke", action="store_true", help="seconds-long run on a tiny random model")
     p.add_argument("--sweep", type=lambda v: [int(x) for x in v.split(",")],
                    help="chain lengths (e.g. 256,1024,4096,7680): cost and peak memory of one "
-                        "long chain against a plain forward, per length (see pipelines.bench_long)")
+                        "long chain against a plain forward, per length (see pipelines.bench.long)")
     p.add_argument("--max-memory", help="the scorer's memory cap in the sweep, e.g. 1GB")
     p.add_argument("--code", help="with --sweep: measure the mist_core of another checkout "
                                   "(e.g. a git worktree of an earlier commit)")
@@ -280,7 +280,7 @@ def parse(argv=None):
 def main(argv=None) -> int:
     args = parse(argv)
     if args.sweep:
-        from .bench_long import sweep
+        from .long import sweep
 
         result = sweep(args)
         if args.json:
@@ -289,7 +289,7 @@ def main(argv=None) -> int:
         return 0
     result = {} if args.pipeline_only else bench(args)
     if args.pipeline:
-        from .bench_pipeline import pipeline_over_bare
+        from .pipeline import pipeline_over_bare
 
         result.update(pipeline_over_bare(args))
     print(table(result))

@@ -2,8 +2,8 @@
 subprocess) with a tiny random model, sampling the memory of the driver and of every Ray
 worker while it runs. The figures behind docs/results/reliability.md.
 
-    python -m pipelines.soak                       # 20,000 chains + 1% malformed rows
-    python -m pipelines.soak --chains 2000 --json outputs/soak.json
+    mist soak                       # 20,000 chains + 1% malformed rows
+    mist soak --chains 2000 --json outputs/soak.json
 
 The model has SmolLM2's tokenizer and a 2-layer random body: scoring is cheap, so the run
 stresses what surrounds it (reading, tokenizing, the actor's batches, writing, accounting).
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tiny_model(path: Path) -> Path:
@@ -107,7 +107,7 @@ def summarise(samples: list[dict], key: str) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipelines.soak", description=__doc__,
+    p = argparse.ArgumentParser(prog="mist soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--chains", type=int, default=20000)
     p.add_argument("--bad-every", type=int, default=100, help="a malformed line after every N rows")
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
         manifest = json.loads((out / "_manifest.json").read_text())
     c = manifest["counts"]
     result = {
-        "command": " ".join(["python -m pipelines.soak"] + (argv if argv is not None else sys.argv[1:])),
+        "command": " ".join(["mist soak"] + (argv if argv is not None else sys.argv[1:])),
         "rows_written": good + bad, "good_rows": good, "malformed_rows": bad,
         "read": c["read"], "scored": c["scored"], "rejected": c["rejected"],
         "rejected_by_reason": c["rejected_by_reason"], "reconciled": c["read"] == c["scored"] + c["rejected"] + c["already_done"],

@@ -17,9 +17,9 @@ import ray
 
 from mist_core import allocator
 
-from .job import faults
+from . import faults
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def init_ray(address: str | None = None, actors: tuple[int, int] = (1, 1),

@@ -23,9 +23,10 @@ import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from . import loop, runtime, storage
-from .errors import ConfigError
-from .settings import one_line
+from . import base as loop
+from ..common import runtime, storage
+from ..common.errors import ConfigError
+from ..common.settings import one_line
 
 TRAINING_OPTIONS = ("lora", "lora_rank", "epochs", "learning_rate", "batch_size", "max_length",
                     "seed", "log_every", "trust_remote_code")
@@ -242,7 +243,7 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m pipelines.train") -> int:
+def main(argv: list[str] | None = None, prog: str = "mist train") -> int:
     return loop.run_main(run, sys.argv[1:] if argv is None else list(argv), parse_args, prog)
 
 

@@ -17,9 +17,10 @@ import time
 
 import pyarrow as pa
 
-from . import loop, runtime, storage
-from .settings import parse_floats
-from .errors import ConfigError
+from . import base as loop
+from ..common import runtime, storage
+from ..common.settings import parse_floats
+from ..common.errors import ConfigError
 
 RESULT_SCHEMA = pa.schema([
     ("id", pa.string()), ("budget", pa.float64()), ("question", pa.string()),
@@ -136,7 +137,7 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m pipelines.solve") -> int:
+def main(argv: list[str] | None = None, prog: str = "mist solve") -> int:
     return loop.run_main(run, sys.argv[1:] if argv is None else list(argv), parse_args, prog)
 
 

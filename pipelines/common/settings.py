@@ -1,5 +1,6 @@
-"""Every setting of the compression job (JobConfig) and of the evaluation (EvalConfig),
-declared once: its type, default, allowed values, help and flag group. pydantic coerces and
+"""The settings kit: a command's settings are a Settings class (the job's JobConfig in
+job/config.py, the evaluation's EvalConfig in evaluation/config.py), each setting declared
+once: its type, default, allowed values, help and flag group. pydantic coerces and
 checks a value from any source (flags, a YAML file given with --config, Python), and each
 command's parser is built from these declarations (build_parser), so the help, the choices
 and the defaults cannot drift from what the code accepts. Sources stack: defaults, then the
@@ -15,9 +16,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mist_core.adapters import ADAPTERS
-from mist_core.choices import ALPHA, LAYER_WEIGHTS, OPTIONS
-from mist_core.formats import SFT_ALIASES, SFT_FORMATS, SFT_MIXES, sft_format_name
-from mist_core.prune import UNITS
+from mist_core.choices import ALPHA, OPTIONS
+from mist_core.formats import SFT_ALIASES
 from mist_core.templates import TEMPLATES
 
 from .errors import ConfigError
@@ -68,7 +68,7 @@ def _scalar(v) -> bool:
     return isinstance(v, (str, int, float)) and not isinstance(v, bool)
 
 
-def _items(value) -> list:
+def listed(value) -> list:
     """A comma-separated string's parts, or a YAML list's scalar items."""
     if isinstance(value, str):
         return value.split(",")
@@ -81,14 +81,14 @@ def _items(value) -> list:
 
 def parse_floats(value) -> list[float]:
     try:
-        return [float(v) for v in _items(value) if str(v).strip()]
+        return [float(v) for v in listed(value) if str(v).strip()]
     except (TypeError, ValueError):
         raise ConfigError(f"budgets must be numbers like 0.5,0.7, not {shown(value)}") from None
 
 
 def parse_actors(value) -> tuple[int, int]:
     try:
-        items = _items(value)
+        items = listed(value)
         if any(isinstance(v, float) and not v.is_integer() for v in items):
             raise ValueError("not whole")
         nums = [int(v) for v in items]
@@ -118,7 +118,7 @@ def parse_columns(value) -> dict[str, str]:
     return out
 
 
-def _auto_or(value, parse):
+def auto_or(value, parse):
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return None
     if not _scalar(value):  # a list or mapping where one value is wanted
@@ -240,7 +240,7 @@ class Settings(BaseModel):
     @field_validator("gpus_per_actor", mode="before")
     @classmethod
     def _gpus(cls, v):
-        gpus = _auto_or(v, float)
+        gpus = auto_or(v, float)
         if gpus is not None and not gpus >= 0:
             raise ConfigError("gpus_per_actor must be >= 0 or auto")
         return gpus
@@ -274,226 +274,13 @@ class Settings(BaseModel):
         """A command's own cross-setting checks."""
 
 
-def _positive(*names: str):
+def positive(*names: str):
     """A validator: these integer settings must be at least 1 where given."""
     def check(cls, v, info):
         if v is not None and v < 1:
             raise ConfigError(f"{info.field_name} must be at least 1")
         return v
     return field_validator(*names)(classmethod(check))
-
-
-# ---------------------------------------------------------------- the job
-
-
-class JobConfig(Settings):
-    """The compression job's settings (`mist compress`)."""
-
-    limit: int | None = setting(None, "read only the first N rows", group="input",
-                                metavar="N", shown="")
-    output: str = setting("outputs/demo", "output folder", group="output", metavar="URI")
-    mode: str = setting("refresh", "refresh: add only rows not yet in the output; overwrite: "
-                        "delete the job's earlier output first", group="output",
-                        choices=("refresh", "overwrite"))
-    scores: bool = setting(False, "also write per-token scores to scores/", group="output")
-    rows_per_file: int = setting(512, "input rows per group of output files; a group is the "
-                                 "unit a crashed run keeps", group="output", metavar="N")
-    sft_format: str = setting(
-        "prompt-completion", "prompt-completion: TRL's conversational {prompt, completion} "
-        "(the loss on the completion only); messages: {messages: [user, assistant]} (chat: "
-        "its earlier name); alpaca: LLaMA-Factory {instruction, input, output}; tokenskip: "
-        "TokenSkip's alpaca records with {question}<|eot_id|>{γ}<|eot_id|>. Below γ = 1 the "
-        "user turn asks to reduce (1-γ)% of the tokens; messages, alpaca and tokenskip also "
-        "write LLaMA-Factory's dataset_info.json", group="output",
-        choices=SFT_FORMATS)
-    sft_mix: str = setting("sample", "sample: one record per example, γ drawn uniformly from "
-                           "the budgets and 1.0; all: one record per γ", group="output",
-                           choices=SFT_MIXES)
-    max_error_share: float = setting(
-        0.0, "the share of the rows read (0 to 1) that may fail for the job's or the model's "
-        "fault (score_error, nonfinite_scores, prune_error, unexpected_error; bad input never "
-        "counts) before the run fails with exit status 5 and no manifest, stopping early "
-        "where it can; a rerun redoes the failed rows", group="output", metavar="F")
-    method: str = setting(
-        "mist", "mist or a baseline: uniform, perplexity, attention_rollout, h2o, gogi_l1, "
-        "necessity, sufficiency", group="scoring", metavar="NAME",
-        choices=lambda: tuple(__import__("mist_core", fromlist=["scorer_names"]).scorer_names()))
-    unit: str = setting("word", "prune whole words, single tokens or equations kept whole; "
-                        "a number is never cut in any unit", group="scoring",
-                        choices=UNITS)
-    layer_weights: str = setting(
-        "clipped", "how MIST's Eq. 7 weighs the layers (mist, necessity, sufficiency): "
-        "clipped, max(c̄_l, 0), so a layer whose logit-lens contribution falls counts for "
-        "nothing (the default: it keeps more of the answer's likelihood and of the "
-        "intermediate results on GSM8K, docs/results/units.md); signed, the paper's c̄_l",
-        group="scoring", choices=LAYER_WEIGHTS)
-    keep_digits: bool = setting(False, "always keep tokens with digits (may exceed the budget)",
-                                group="scoring")
-    trust_remote_code: bool = setting(
-        False, "let transformers run Python code shipped with the model or tokenizer (off by "
-        "default: a hub repository's code would run on every worker)", group="scoring")
-    batch_size: int = setting(32, "chains per forward pass; a scoring actor takes 8 times as "
-                              "many rows per call and packs them by length",
-                              group="resources", metavar="N")
-    batch_tokens: int | str = setting(
-        "auto", "padded tokens per forward pass; each call's rows are grouped by length to "
-        "fill it. auto: as many as --max-memory holds, else 4096", group="resources",
-        metavar="N|auto")
-    max_memory: int | None = setting(
-        None, "memory each scoring actor's passes may take beyond the model, e.g. 6GB; the "
-        "scorer picks batch sizes and recomputation within it and rejects a chain that cannot "
-        "fit alone (too_long_for_memory). Default: 90% of the GPU's free memory once the "
-        "model is loaded; on CPU 60% of the memory available when the actor starts",
-        group="resources", metavar="SIZE", shown="")
-    device: str = setting(
-        "auto", "where the scoring actors run the model: auto: cuda where Ray gives an actor "
-        "a GPU (--gpus-per-actor above 0), else cpu; cpu: on the CPU even on GPU-placed "
-        "actors (GPU placement tested without GPUs); cuda: on the actor's GPU, an error where "
-        "it has none", group="resources", choices=DEVICES)
-    seed: int = setting(0, "seed of the SFT budget draw", group="resources")
-    progress_interval: float = setting(
-        10.0, "print a progress line every SECONDS while scoring: chains scored of those "
-        "planned, chains/s, ETA, rejects so far; 0: none", group="resources", metavar="SECONDS")
-
-    _positive_ints = _positive("limit", "batch_size", "rows_per_file")
-
-    @field_validator("sft_format", mode="before")
-    @classmethod
-    def _sft_format(cls, v):
-        return sft_format_name(str(v))
-
-    @field_validator("batch_tokens", mode="before")
-    @classmethod
-    def _batch_tokens(cls, v):
-        try:
-            tokens = _auto_or(v, int)
-        except (ValueError, OverflowError):  # int() of a word, NaN or inf
-            raise ConfigError(f"batch_tokens must be a number or auto, not {shown(v)}") from None
-        if tokens is None:
-            return "auto"
-        if tokens < 1:
-            raise ConfigError("batch_tokens must be at least 1 or auto")
-        return tokens
-
-    @field_validator("max_memory", mode="before")
-    @classmethod
-    def _max_memory(cls, v):
-        from mist_core.memory import parse_bytes
-
-        try:  # parse_bytes reads a size's text or a number of bytes
-            size = _auto_or(v, lambda x: parse_bytes(x if isinstance(x, (int, str)) else str(x)))
-        except OverflowError:
-            raise ConfigError(f"max_memory must be a size like 6GB, not {shown(v)}") from None
-        if size is not None and size < 1:
-            raise ConfigError(f"max_memory must be a positive size, got {size} bytes")
-        return size
-
-    def scoring(self):
-        """The mist_core.registry.Scoring these settings name: the one translation of the
-        job's settings into a scorer (`cfg.scoring().scorer(lm)`)."""
-        from mist_core.registry import Scoring
-
-        taken = OPTIONS.get(self.method, ())
-        return Scoring(method=self.method, template=self.template, max_tokens=self.batch_tokens,
-                       max_batch=self.batch_size,
-                       max_memory="auto" if self.max_memory is None else self.max_memory,
-                       **{k: getattr(self, k) for k in ("alpha", "layer_weights") if k in taken})
-
-    def _check_more(self) -> None:
-        if (self.layer_weights != type(self).model_fields["layer_weights"].default
-                and self.method not in MIST_FAMILY):
-            raise ConfigError(f"layer_weights is MIST's ({', '.join(MIST_FAMILY)}), not "
-                              f"{self.method}'s")
-        if self.device == "cuda" and self.gpus_per_actor == 0:
-            raise ConfigError("device cuda needs a GPU for each scoring actor: give "
-                              "--gpus-per-actor 1 (or auto on a cluster with GPUs), or "
-                              "--device cpu")
-        if not 0.0 <= self.max_error_share <= 1.0:  # NaN fails this too
-            raise ConfigError(f"max_error_share must lie in [0, 1], not {self.max_error_share}")
-        if not 0.0 <= self.progress_interval < float("inf"):  # NaN fails this too
-            raise ConfigError(f"progress_interval must be 0 (off) or a number of seconds, "
-                              f"not {self.progress_interval}")
-
-
-# ---------------------------------------------------------------- the evaluation
-
-
-def _method_names():
-    from .results import ALL_METHODS
-
-    return ALL_METHODS
-
-
-def _default_methods():
-    from .results import DEFAULT_METHODS
-
-    return DEFAULT_METHODS
-
-
-class EvalConfig(Settings):
-    """The evaluation harness's settings (`mist eval`)."""
-
-    input: list[str] = setting(..., Settings.model_fields["input"].description, group="input",
-                               metavar="URI")
-    budgets: list[float] = setting([0.3, 0.5, 0.7, 0.9], "retention budgets γ, comma-separated",
-                                   group="scoring", metavar="LIST")
-    methods: list[str] = setting(list(_default_methods()), "methods to compare, comma-separated",
-                                 group="scoring", metavar="LIST",
-                                 shown="all but greedy_ll (a forward pass per kept token per step)")
-    unit: str = setting("token", "prune single tokens (the paper's ⌈γT⌉), whole words or "
-                        "equations kept whole; a number is never cut in any unit",
-                        group="scoring", choices=UNITS)
-    style: str = setting("auto", "answer normalisation and intermediate results; auto: the "
-                         "adapter's", group="scoring", choices=("auto", "gsm8k", "math"))
-    sample: int = setting(200, "chains to evaluate", group="input", metavar="N")
-    seed: int = setting(0, "sample and uniform-baseline seed", group="input")
-    exact_n: int = setting(8, "chains (from the shortest quarter) for exact interventions",
-                           group="scoring", metavar="N")
-    exact_layers: list[int] | None = setting(
-        None, "blocks for exact interventions, comma-separated; auto: 1/4, 1/2, 3/4 of the "
-        "depth", group="scoring", metavar="LIST", shown="auto")
-    extra_new: int = setting(8, "greedy decoding stops after len(gold answer) + this many "
-                             "tokens", group="scoring", metavar="N")
-    output: str = setting("outputs/eval", "results folder", group="output", metavar="DIR")
-    mode: str = setting("resume", "resume: keep the chains already in results.jsonl (same "
-                        "settings only); overwrite: start again", group="output",
-                        choices=("resume", "overwrite"))
-    batch_size: int = setting(4, "chains per actor call", group="resources", metavar="N")
-    batch_tokens: int = setting(8192, "padded tokens per forward pass", group="resources",
-                                metavar="N")
-    threads: int | None = setting(None, "torch threads per CPU actor (default: "
-                                  "--cpus-per-actor)", group="resources", metavar="N", shown="")
-
-    _positive_ints = _positive("sample", "batch_size", "batch_tokens", "threads")
-
-    @field_validator("methods", mode="before")
-    @classmethod
-    def _methods(cls, v):
-        try:
-            methods = [str(m).strip() for m in _items(v)]
-        except ValueError:
-            raise ConfigError(f"methods must be names like mist,uniform, not {shown(v)}") from None
-        methods = [m for m in methods if m]
-        bad = [m for m in methods if m not in _method_names()]
-        if bad or not methods:
-            raise ConfigError(f"unknown methods {shown(bad)}; choose from "
-                              f"{', '.join(_method_names())}")
-        return methods
-
-    @field_validator("exact_layers", mode="before")
-    @classmethod
-    def _exact_layers(cls, v):
-        if v is None or (isinstance(v, str) and v.strip().lower() == "auto"):
-            return None
-        try:
-            return [int(i) for i in _items(v) if str(i).strip()]
-        except (ValueError, OverflowError):
-            raise ConfigError(f"exact_layers must be block numbers like 2,4 or auto, "
-                              f"not {shown(v)}") from None
-
-    def _check_more(self) -> None:
-        if self.exact_n < 0 or self.extra_new < 0:
-            raise ConfigError("exact_n and extra_new must be >= 0")
 
 
 # ---------------------------------------------------------------- CLI and YAML
@@ -598,7 +385,9 @@ def load_yaml(path: str) -> dict:
 def from_mapping(values: dict, base: Settings | None = None, kind: type[Settings] | None = None
                  ) -> Settings:
     """Settings from a mapping of setting -> value (YAML or flags), over `base`'s."""
-    kind = kind or (type(base) if base is not None else JobConfig)
+    if kind is None and base is None:
+        raise TypeError("from_mapping needs a settings class (kind) or settings to start from")
+    kind = kind or type(base)
     names = set(kind.model_fields)
     merged = base.model_dump() if base is not None else {}
     for key, value in values.items():

@@ -1,7 +1,7 @@
 """The quality report: tables (quality.md) and plots (PNG) from stored evaluation results.
 
     mist report docs/results/runs/gsm8k docs/results/runs/math500 --out docs/results
-    (the same: python -m pipelines.report …)
+    (the same: mist report …)
 
 Reads the folders `mist eval` wrote (run.json, results.jsonl) and needs no
 model: the measures that depend only on text (answer correctness, intermediate results,
@@ -27,7 +27,7 @@ from mist_core.stats import bootstrap_indices, ci_mean, ci_ratio
 from mist_core.formats import budget_label
 from mist_core.taxonomy import TYPE_LABELS, TYPES
 
-from . import errors
+from ..common import exits
 from .results import ALL_METHODS, ENDS, RESULTS, RUN, read_records, variant_name
 
 PAPER = {"spearman": -0.07, "overlap30": 0.28,
@@ -588,7 +588,7 @@ def write_report(folders: list[str], out: Path, n_boot: int = 2000, seed: int = 
     return path
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m pipelines.report") -> int:
+def main(argv: list[str] | None = None, prog: str = "mist report") -> int:
     """`mist report`: write quality.md and its figures from stored evaluation results.
 
     Args:
@@ -599,7 +599,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.report"
         The exit status: 0, or 2 for a folder that holds no evaluation."""
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("folders", nargs="+", help="results folders written by pipelines.evaluate")
+    p.add_argument("folders", nargs="+", help="results folders written by pipelines.evaluation.evaluate")
     p.add_argument("--out", default="docs/results", help="where quality.md and the PNGs go")
     p.add_argument("--notes", default=None,
                    help="a markdown file of discussion to include (default: <out>/notes.md if any)")
@@ -623,7 +623,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.report"
         print(f"wrote {path}")
         return 0
 
-    return errors.run_main(body)
+    return exits.run_main(body)
 
 
 if __name__ == "__main__":

@@ -1,25 +1,27 @@
 """The compression job's overhead: its throughput on a corpus ÷ a bare in-process loop doing
 the same work (tokenize, score, prune) with the same model and settings. Called by
-`python -m pipelines.bench --pipeline`.
+`mist bench --pipeline`.
 
-Both sides are timed end to end, model loading included; the job's time also includes
-starting Ray, its planning pass and writing the output. The steady-state ratio sets the bare
+Both sides are timed end to end, model loading included; the job runs as a user runs it,
+`python -m pipelines.compress` in a process of its own, so its time also includes starting
+Python and Ray, its planning pass and writing the output. The steady-state ratio sets the bare
 loop's scoring time against the streaming part of the run (read, tokenize, score, prune,
 write, all overlapped)."""
 from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import ray
-
 from mist_core import MistScorer, get_adapter, load_model, prune
 
-from . import compress
-from .settings import JobConfig, validate
+from ..common.settings import DEFAULT_BUDGETS  # the job's runs here use its default budgets
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _rows(path: Path, n: int) -> list[dict]:
@@ -43,37 +45,38 @@ def bare_loop(args, rows: list[dict], budgets: list[float]) -> tuple[float, floa
     return time.perf_counter() - t0, t2 - t1
 
 
-def job(cfg) -> tuple[float, dict]:
-    """(seconds end to end, manifest) of one run of the job, on the fresh local Ray it
-    starts for itself as a user's run does."""
+def job(flags: list[str], out: Path) -> tuple[float, dict]:
+    """(seconds end to end, manifest) of one run of the job's command, on the fresh local
+    Ray it starts for itself."""
     t0 = time.perf_counter()
-    try:
-        manifest = compress.run(cfg)
-    finally:
-        ray.shutdown()
-    return time.perf_counter() - t0, manifest
+    proc = subprocess.run([sys.executable, "-m", "pipelines.compress", *flags], cwd=ROOT,
+                          capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        raise RuntimeError(f"the job failed (exit {proc.returncode}): " + " | ".join(tail))
+    return seconds, json.loads((out / "_manifest.json").read_text())
 
 
 def pipeline_over_bare(args) -> dict:
     """Bare loop and job alternately, `args.repeats` times each (CPU timings drift over
     minutes; alternating exposes both to the same drift), compared by their medians."""
-    if ray.is_initialized():
-        raise RuntimeError("the pipeline benchmark starts its own local Ray: call it with none running")
     threads = args.threads or 2
     rows = _rows(Path(args.corpus), args.chains)
     bare, bare_scoring, runs, steady = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="mist-bench-") as tmp:
         corpus = Path(tmp) / "corpus.jsonl"
         corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        cfg = validate(JobConfig(input=[str(corpus)], adapter="gsm8k", output=str(Path(tmp) / "out"),
-                                 model=args.model, dtype=args.dtype, mode="overwrite",
-                                 batch_tokens=args.batch_tokens, batch_size=args.batch_size,
-                                 actors=(1, 1), cpus_per_actor=threads, gpus_per_actor=0))
+        out = Path(tmp) / "out"
+        flags = ["--input", str(corpus), "--adapter", "gsm8k", "--output", str(out),
+                 "--model", args.model, "--dtype", args.dtype, "--mode", "overwrite",
+                 "--batch-tokens", str(args.batch_tokens), "--batch-size", str(args.batch_size),
+                 "--actors", "1", "--cpus-per-actor", str(threads), "--gpus-per-actor", "0"]
         for _ in range(max(1, args.repeats)):
-            total, scoring = bare_loop(args, rows, cfg.budgets)
+            total, scoring = bare_loop(args, rows, DEFAULT_BUDGETS)
             bare.append(total)
             bare_scoring.append(scoring)
-            seconds, manifest = job(cfg)
+            seconds, manifest = job(flags, out)
             scored = manifest["counts"]["scored"]
             if scored != len(rows):
                 raise RuntimeError(f"the job scored {scored} of {len(rows)} chains: {manifest['counts']}")
