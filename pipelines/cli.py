@@ -39,10 +39,10 @@ the distillation loop (docs/guide/loop.md: generate, compress, train, solve):
 # Each command's module (its main) and whether that main takes the program name for its help.
 COMMANDS = {"compress": ("job.compress", True), "show": ("job.show", True),
             "eval": ("evaluation.evaluate", True), "report": ("evaluation.report", True),
-            "saliency": ("evaluation.saliency", False),
+            "saliency": ("evaluation.saliency", True),
             "generate": ("loop.generate", True), "train": ("loop.train", True),
             "solve": ("loop.solve", True), "testbed": ("loop.testbed", True),
-            "bench": ("bench.scorer", False), "soak": ("bench.soak", False)}
+            "bench": ("bench.scorer", True), "soak": ("bench.soak", True)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,7 +58,7 @@ def test_evaluate_report_and_saliency(tmp_path, tiny_dir):
     assert ex["exact"]["layers"] == [1, 2, 3]
     assert all(0 <= v <= 1 for axis in ("necessity", "sufficiency") for v in ex["exact"][axis].values())
     meta = json.loads((out / "run.json").read_text())
-    assert meta["status"] == "done" and meta["sample"] == 4 and "pipelines.evaluation.evaluate" in meta["command"]
+    assert meta["status"] == "done" and meta["sample"] == 4 and meta["command"].startswith("mist eval ")
 
     # a rerun resumes: nothing left to do; other settings on the same folder are refused
     assert evaluate.main(argv) == 0
@@ -78,7 +78,7 @@ def test_evaluate_report_and_saliency(tmp_path, tiny_dir):
     captions = [line for line in md.splitlines() if line.startswith("*Figure")]
     assert len(captions) == 3
     for caption in captions:
-        for needle in (tiny_dir.name, "demo:12", "n = 4", "seed 3", "pipelines.evaluation.evaluate"):
+        for needle in (tiny_dir.name, "demo:12", "n = 4", "seed 3", "mist eval "):
             assert needle in caption, (caption, needle)
     assert "| `full` | 100 [100, 100] |" in md and "| `nochain` | 0 [0, 0] |" in md
 

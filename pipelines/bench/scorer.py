@@ -10,7 +10,6 @@ All figures are ratios or rates measured in one run (medians over --repeats), pr
 table and written as JSON (--json)."""
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import resource
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from pydantic import field_validator
 
 from mist_core import Example, MistScorer, allocator, get_adapter, load_model
 from mist_core.exact import exact_scores_encoded
@@ -28,7 +28,10 @@ from mist_core.scorer import shared_prefix
 from mist_core.templates import Encoded
 from mist_core.tracing import pad
 
-from .shapes import SHAPES, random_model
+from ..common import exits, settings
+from ..common.errors import ConfigError
+from ..common.settings import Model, auto_or, listed, positive, setting, shown
+from .shapes import random_model
 
 ROOT = Path(__file__).resolve().parents[2]
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
@@ -234,68 +237,113 @@ def table(r: dict) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def parse(argv=None):
-    p = argparse.ArgumentParser(prog="mist bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct",
-                   help="a model spec, or random:<shape> with shape in %s" % sorted(SHAPES))
-    p.add_argument("--corpus", default=str(GSM8K), help="GSM8K-format JSONL (default: ../shared GSM8K test)")
-    p.add_argument("--chains", type=int, default=256,
-                   help="corpus chains to score; padding falls as batches can be bucketed finer")
-    p.add_argument("--synthetic", type=int, default=0, help="use N random-token chains instead of a corpus")
-    p.add_argument("--chain-tokens", type=int, default=350, help="mean chain length of synthetic chains")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--tf32", action="store_true", help="allow TF32 matmuls (Ampere and later)")
-    p.add_argument("--batch-tokens", type=lambda v: v if v == "auto" else int(v), default=4096,
-                   help="padded tokens per forward pass, or auto (as many as --max-memory holds)")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--exact-chains", type=int, default=2, help="chains timed with exact interventions")
-    p.add_argument("--exact-layer-stride", type=int, default=6,
-                   help="time exact interventions on every n-th layer and scale to all layers")
-    p.add_argument("--agreement", type=int, default=0, help="chains for the bf16-vs-fp32 agreement")
-    p.add_argument("--pipeline", action="store_true", help="also measure the Ray job against a bare loop")
-    p.add_argument("--pipeline-only", action="store_true", help="measure only the Ray job against a bare loop")
-    p.add_argument("--smoke", action="store_true", help="seconds-long run on a tiny random model")
-    p.add_argument("--sweep", type=lambda v: [int(x) for x in v.split(",")],
-                   help="chain lengths (e.g. 256,1024,4096,7680): cost and peak memory of one "
-                        "long chain against a plain forward, per length (see pipelines.bench.long)")
-    p.add_argument("--max-memory", help="the scorer's memory cap in the sweep, e.g. 1GB")
-    p.add_argument("--code", help="with --sweep: measure the mist_core of another checkout "
-                                  "(e.g. a git worktree of an earlier commit)")
-    p.add_argument("--json", help="write the results here too")
-    args = p.parse_args(argv)
-    args.pipeline = args.pipeline or args.pipeline_only
-    if args.pipeline and (args.synthetic or args.model.startswith("random:") or args.smoke):
-        p.error("--pipeline runs the job on a corpus with a loadable model: not with "
-                "--synthetic, --smoke or a random: model")
+def _ints(v) -> list[int] | None:
+    if v is None:
+        return None
+    try:
+        return [int(x) for x in listed(v) if str(x).strip()]
+    except (TypeError, ValueError):
+        raise ConfigError(f"sweep takes chain lengths like 256,1024, not {shown(v)}") from None
+
+
+class BenchConfig(Model):
+    """`mist bench`'s settings. --model also takes random:<shape>, a random model of a
+    known architecture's shape (pipelines/bench/shapes.py)."""
+
+    corpus: str = setting(str(GSM8K), "GSM8K-format JSONL", group="input", metavar="FILE",
+                          shown="../shared GSM8K test")
+    chains: int = setting(256, "corpus chains to score; padding falls as batches can be "
+                          "bucketed finer", group="input", metavar="N")
+    synthetic: int = setting(0, "use N random-token chains instead of a corpus", group="input",
+                             metavar="N")
+    chain_tokens: int = setting(350, "mean chain length of synthetic chains", group="input",
+                                metavar="N")
+    device: str = setting("cpu", "torch device", group="resources")
+    tf32: bool = setting(False, "allow TF32 matmuls (Ampere and later)", group="resources")
+    batch_tokens: int | str = setting(4096, "padded tokens per forward pass, or auto (as many "
+                                      "as --max-memory holds)", group="resources", metavar="N")
+    batch_size: int = setting(32, "chains per forward pass", group="resources", metavar="N")
+    threads: int = setting(0, "torch threads (0: torch's default)", group="resources",
+                           metavar="N")
+    max_memory: str | None = setting(None, "the scorer's memory cap in the sweep, e.g. 1GB",
+                                     group="resources", metavar="SIZE", shown="")
+    repeats: int = setting(3, "timed repeats (medians over them)", group="measure", metavar="N")
+    exact_chains: int = setting(2, "chains timed with exact interventions", group="measure",
+                                metavar="N")
+    exact_layer_stride: int = setting(6, "time exact interventions on every n-th layer and "
+                                      "scale to all layers", group="measure", metavar="N")
+    agreement: int = setting(0, "chains for the bf16-vs-fp32 agreement", group="measure",
+                             metavar="N")
+    pipeline: bool = setting(False, "also measure the Ray job against a bare loop",
+                             group="measure")
+    pipeline_only: bool = setting(False, "measure only the Ray job against a bare loop",
+                                  group="measure")
+    smoke: bool = setting(False, "seconds-long run on a tiny random model", group="measure")
+    sweep: list[int] | None = setting(
+        None, "chain lengths (e.g. 256,1024,4096,7680): cost and peak memory of one long chain "
+        "against a plain forward, per length (see pipelines/bench/long.py)", group="measure",
+        metavar="LIST", shown="")
+    code: str | None = setting(None, "with --sweep: measure the mist_core of another checkout "
+                               "(e.g. a git worktree of an earlier commit)", group="measure",
+                               metavar="DIR", shown="")
+    json_path: str | None = setting(None, "write the results here too", group="output",
+                                    metavar="FILE", shown="", flag="json")
+
+    _positive = positive("chains", "batch_size", "repeats", "exact_layer_stride")
+    _sweep = field_validator("sweep", mode="before")(classmethod(lambda cls, v: _ints(v)))
+
+    @field_validator("batch_tokens", mode="before")
+    @classmethod
+    def _batch_tokens(cls, v):
+        tokens = auto_or(v, int)
+        if tokens is not None and tokens < 1:
+            raise ConfigError("batch_tokens must be at least 1 or auto")
+        return "auto" if tokens is None else tokens
+
+    def _check_more(self) -> None:
+        pipeline = self.pipeline or self.pipeline_only
+        if pipeline and (self.synthetic or self.model.startswith("random:") or self.smoke):
+            raise ConfigError("--pipeline runs the job on a corpus with a loadable model: not "
+                              "with --synthetic, --smoke or a random: model")
+
+
+def parse(argv: list[str] | None = None, prog: str = "mist bench") -> BenchConfig:
+    """The benchmark's settings from its command line, --smoke's sizes filled in."""
+    args = settings.parse(BenchConfig, argv, prog, __doc__)
+    changes = {"pipeline": args.pipeline or args.pipeline_only}
     if args.smoke:
-        args.model, args.synthetic, args.chain_tokens, args.repeats = "random:tiny", 16, 40, 1
-        args.exact_chains, args.exact_layer_stride = 1, 2
-    return args
+        changes.update(model="random:tiny", synthetic=16, chain_tokens=40, repeats=1,
+                       exact_chains=1, exact_layer_stride=2)
+    return args.model_copy(update=changes)
 
 
-def main(argv=None) -> int:
-    args = parse(argv)
+def main(argv: list[str] | None = None, prog: str = "mist bench") -> int:
+    """`mist bench`: the scorer's cost against a plain forward pass, printed and in --json.
+
+    Args:
+        argv: the command line after the program's name (default: sys.argv[1:]).
+        prog: the program's name in --help.
+
+    Returns:
+        The exit status: 0, or 2 for bad settings."""
+    return exits.run_main(lambda: run(parse(argv, prog)))
+
+
+def run(args: BenchConfig) -> int:
     if args.sweep:
         from .long import sweep
 
         result = sweep(args)
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        return 0
-    result = {} if args.pipeline_only else bench(args)
-    if args.pipeline:
-        from .pipeline import pipeline_over_bare
+    else:
+        result = {} if args.pipeline_only else bench(args)
+        if args.pipeline:
+            from .pipeline import pipeline_over_bare
 
-        result.update(pipeline_over_bare(args))
-    print(table(result))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+            result.update(pipeline_over_bare(args))
+        print(table(result))
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 

@@ -12,7 +12,6 @@ all), and the actor's RSS besides; growth is the median over the last fifth of a
 samples minus that over the second fifth (after warm-up)."""
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -23,6 +22,9 @@ import time
 from pathlib import Path
 
 import psutil
+
+from ..common import exits
+from ..common.settings import Kit, parse, positive, setting
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,14 +108,33 @@ def summarise(samples: list[dict], key: str) -> dict:
             "growth_mb": fifths[-1] - fifths[1]}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="mist soak", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--chains", type=int, default=20000)
-    p.add_argument("--bad-every", type=int, default=100, help="a malformed line after every N rows")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--json", help="write the figures here too")
-    args = p.parse_args(argv)
+class SoakConfig(Kit):
+    """`mist soak`'s settings."""
+
+    chains: int = setting(20000, "chains in the generated corpus", group="input", metavar="N")
+    bad_every: int = setting(100, "a malformed line after every N rows", group="input",
+                             metavar="N")
+    batch_size: int = setting(64, "the job's --batch-size", group="resources", metavar="N")
+    json_path: str | None = setting(None, "write the figures here too", group="output",
+                                    metavar="FILE", shown="", flag="json")
+
+    _positive = positive("chains", "bad_every", "batch_size")
+
+
+def main(argv: list[str] | None = None, prog: str = "mist soak") -> int:
+    """`mist soak`: the job on a large generated corpus, its memory sampled throughout.
+
+    Args:
+        argv: the command line after the program's name (default: sys.argv[1:]).
+        prog: the program's name in --help.
+
+    Returns:
+        The exit status: 0 when every row is accounted for, 1 when not, 2 for bad settings."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return exits.run_main(lambda: soak(parse(SoakConfig, argv, prog, __doc__), argv, prog))
+
+
+def soak(args: SoakConfig, argv: list[str], prog: str) -> int:
     with tempfile.TemporaryDirectory(prefix="mist-soak-") as tmp:
         tmp = Path(tmp)
         model = tiny_model(tmp / "tiny-smollm2")
@@ -137,7 +158,7 @@ def main(argv=None) -> int:
         manifest = json.loads((out / "_manifest.json").read_text())
     c = manifest["counts"]
     result = {
-        "command": " ".join(["mist soak"] + (argv if argv is not None else sys.argv[1:])),
+        "command": " ".join([prog] + argv),
         "rows_written": good + bad, "good_rows": good, "malformed_rows": bad,
         "read": c["read"], "scored": c["scored"], "rejected": c["rejected"],
         "rejected_by_reason": c["rejected_by_reason"], "reconciled": c["read"] == c["scored"] + c["rejected"] + c["already_done"],
@@ -148,9 +169,9 @@ def main(argv=None) -> int:
                    for k in ("driver", "actor", "actor_rss", "workers", "total")},
     }
     print(json.dumps(result, indent=2))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(result, indent=2) + "\n")
     return 0 if result["reconciled"] and c["scored"] == good and c["rejected"] == bad else 1
 
 

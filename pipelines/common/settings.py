@@ -30,12 +30,18 @@ MIST_FAMILY = tuple(m for m, o in OPTIONS.items() if "layer_weights" in o)  # MI
 
 
 def setting(default: Any = ..., help: str = "", *, group: str, metavar: str | None = None,
-            choices: tuple | Callable[[], tuple] | None = None, shown: str | None = None) -> Any:
+            choices: tuple | Callable[[], tuple] | None = None, shown: str | None = None,
+            positional: bool = False, many: bool | str = False, flag: str | None = None) -> Any:
     """One setting's declaration. `choices`: the allowed values, or a function that gives
     them (for lists that need heavy imports, read only when a value is checked); `shown`:
     how the help writes the default (default: the value itself); help that states its
-    default itself sets shown="" ."""
-    extra = {"group": group, "metavar": metavar, "choices": choices, "shown": shown}
+    default itself sets shown="" . `positional`: given without a flag (`mist show OUT`);
+    `many`: several values, space-separated, the flag repeatable (`--input a b --input c`);
+    many="repeat": one value a flag, the flag repeated for more (`--id a --id b`), so that
+    a positional after it is not taken for one. `flag`: the flag's name where the setting's
+    own would clash with a Python name (`--json` for json_path)."""
+    extra = {"group": group, "metavar": metavar, "choices": choices, "shown": shown,
+             "positional": positional, "many": many, "flag": flag}
     return Field(default, description=help, json_schema_extra=extra)
 
 
@@ -147,14 +153,49 @@ def one_line(text: str, limit: int = 400) -> str:
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
-class Settings(BaseModel):
-    """The settings every Ray command shares: the corpus, the model, the actors. Frozen: a
-    stage receives them whole and cannot change them under another."""
+class Kit(BaseModel):
+    """A command's settings, each declared once with setting(): coerced and checked by
+    pydantic from flags, a YAML file or Python; a bad value is a ConfigError naming the
+    setting. Frozen: a stage receives them whole and cannot change them under another.
+    A subclass adds its cross-setting checks in _check_more (or _check, calling super())."""
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def __init__(self, **values):
+        try:
+            super().__init__(**values)
+        except ValidationError as e:
+            raise ConfigError(_message(e)) from None
+
+    def to_dict(self) -> dict:
+        """The settings as JSON values (manifests, run.json)."""
+        return self.model_dump(mode="json")
+
+    @model_validator(mode="after")
+    def _validate(self):
+        for name, info in type(self).model_fields.items():
+            allowed = _choices(info)
+            value = getattr(self, name)
+            if allowed is not None and value not in allowed:
+                raise ConfigError(f"{name} must be one of {', '.join(map(str, allowed))}, "
+                                  f"not {shown(value)}")
+        self._check()
+        self._check_more()
+        return self
+
+    def _check(self) -> None:
+        """The checks of the settings a mixin declares (each calls super()._check())."""
+
+    def _check_more(self) -> None:
+        """A command's own cross-setting checks."""
+
+
+class Corpus(Kit):
+    """Where the rows come from and how a row becomes an example (the job, the evaluation,
+    the loop's question sets, the saliency page)."""
 
     input: list[str] = setting(
         ["demo"], "corpus files or folders: s3://…, gs://…, file://…, a local path, "
-        "hf://owner/name[:config][@split], or demo[:N]", group="input", metavar="URI")
+        "hf://owner/name[:config][@split], or demo[:N]", group="input", metavar="URI", many=True)
     format: str = setting("auto", "file format; auto goes by the file name", group="input",
                           choices=FORMATS)
     adapter: str = setting(
@@ -166,19 +207,49 @@ class Settings(BaseModel):
     columns: dict[str, str] = setting(
         {}, "generic adapter's columns, e.g. question=prompt,cot=reasoning,answer=final,id=uid",
         group="input", metavar="MAP", shown="question, cot, answer, id")
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input(cls, v):
+        if isinstance(v, str):
+            return [v]
+        if isinstance(v, (list, tuple)) and all(_scalar(x) for x in v):
+            return [str(x) for x in v]  # a YAML list may read a name like 2024 as a number
+        raise ConfigError(f"input must be a URI or a list of URIs, not {shown(v)}")
+
+    @field_validator("columns", mode="before")
+    @classmethod
+    def _columns(cls, v):
+        return parse_columns(v)
+
+    def _check(self) -> None:
+        super()._check()
+        if not self.input:
+            raise ConfigError("give at least one --input")
+        if self.columns:
+            if self.adapter != "generic":
+                raise ConfigError("columns maps the generic adapter's columns; the other "
+                                  "adapters read their corpus's own column names")
+            bad = set(self.columns) - {"question", "cot", "answer", "id"}
+            if bad:
+                raise ConfigError(f"columns keys must be question, cot, answer or id, "
+                                  f"not {sorted(bad)}")
+
+
+class Model(Kit):
+    """The model every command that loads one takes."""
+
     model: str = setting("smollm2-135m-instruct",
                          "hub id, local folder, .gguf file or smollm2-135m-instruct",
                          group="scoring", metavar="SPEC")
-    template: str = setting(
-        "auto", "prompt template; think puts the chain in the chat template's thinking block "
-        "(Qwen3, DeepSeek-R1 distills); auto: think where the chat template has a thinking "
-        "block, else chat, else plain", group="scoring",
-        choices=TEMPLATES)
     dtype: str = setting("float32", "model precision; float32 is the paper's", group="scoring",
                          choices=DTYPES)
-    alpha: float = setting(ALPHA, "MIST's necessity weight, in [0, 1]", group="scoring")
-    budgets: list[float] = setting(DEFAULT_BUDGETS, "retention budgets γ, comma-separated",
-                                   group="scoring", metavar="LIST")
+
+
+class Replicas(Model):
+    """The model's replicas: Ray actors, each with one copy (the job, the evaluation, the
+    loop's generate and solve)."""
+
     actors: tuple[int, int] = setting(
         (1, 1), "scoring actors, each with one model replica; MIN,MAX autoscales",
         group="resources", metavar="N|MIN,MAX", shown="1")
@@ -195,38 +266,6 @@ class Settings(BaseModel):
         False, "also show Ray's and Ray Data's own output: their status blocks, the workers' "
         "model-loading bars and library warnings (otherwise only in Ray's session logs, "
         "/tmp/ray/session_latest/logs)", group="output")
-
-    def __init__(self, **values):
-        try:
-            super().__init__(**values)
-        except ValidationError as e:
-            raise ConfigError(_message(e)) from None
-
-    def to_dict(self) -> dict:
-        """The settings as JSON values (manifests, run.json)."""
-        return self.model_dump(mode="json")
-
-    @field_validator("input", mode="before")
-    @classmethod
-    def _input(cls, v):
-        if isinstance(v, str):
-            return [v]
-        if isinstance(v, (list, tuple)) and all(_scalar(x) for x in v):
-            return [str(x) for x in v]  # a YAML list may read a name like 2024 as a number
-        raise ConfigError(f"input must be a URI or a list of URIs, not {shown(v)}")
-
-    @field_validator("columns", mode="before")
-    @classmethod
-    def _columns(cls, v):
-        return parse_columns(v)
-
-    @field_validator("budgets", mode="before")
-    @classmethod
-    def _budgets(cls, v):
-        budgets = parse_floats(v)
-        if not budgets or any(not 0.0 < b <= 1.0 for b in budgets):  # NaN fails this too
-            raise ConfigError(f"budgets must lie in (0, 1], got {shown(budgets)}")
-        return sorted(set(budgets))
 
     @field_validator("actors", mode="before")
     @classmethod
@@ -245,33 +284,46 @@ class Settings(BaseModel):
             raise ConfigError("gpus_per_actor must be >= 0 or auto")
         return gpus
 
-    @model_validator(mode="after")
-    def _check(self):
-        for name, info in type(self).model_fields.items():
-            allowed = _choices(info)
-            value = getattr(self, name)
-            if allowed is not None and value not in allowed:
-                raise ConfigError(f"{name} must be one of {', '.join(map(str, allowed))}, "
-                                  f"not {shown(value)}")
-        if not self.input:
-            raise ConfigError("give at least one --input")
-        if self.columns:
-            if self.adapter != "generic":
-                raise ConfigError("columns maps the generic adapter's columns; the other "
-                                  "adapters read their corpus's own column names")
-            bad = set(self.columns) - {"question", "cot", "answer", "id"}
-            if bad:
-                raise ConfigError(f"columns keys must be question, cot, answer or id, "
-                                  f"not {sorted(bad)}")
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ConfigError("alpha must lie in [0, 1]")
+    def _check(self) -> None:
+        super()._check()
         if not self.cpus_per_actor > 0:
             raise ConfigError("cpus_per_actor must be > 0")
-        self._check_more()
-        return self
 
-    def _check_more(self) -> None:
-        """A command's own cross-setting checks."""
+
+class Chains(Kit):
+    """How chains are scored and pruned: the prompt template, MIST's α, the budgets."""
+
+    template: str = setting(
+        "auto", "prompt template; think puts the chain in the chat template's thinking block "
+        "(Qwen3, DeepSeek-R1 distills); auto: think where the chat template has a thinking "
+        "block, else chat, else plain", group="scoring",
+        choices=TEMPLATES)
+    alpha: float = setting(ALPHA, "MIST's necessity weight, in [0, 1]", group="scoring")
+    budgets: list[float] = setting(DEFAULT_BUDGETS, "retention budgets γ, comma-separated",
+                                   group="scoring", metavar="LIST")
+
+    @field_validator("budgets", mode="before")
+    @classmethod
+    def _budgets(cls, v):
+        return check_budgets(v)
+
+    def _check(self) -> None:
+        super()._check()
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError("alpha must lie in [0, 1]")
+
+
+class Settings(Chains, Replicas, Corpus):
+    """The settings the compression job and the evaluation share: the corpus, the model,
+    the actors, and how chains are scored and pruned."""
+
+
+def check_budgets(v) -> list[float]:
+    """Budgets as a sorted list without repeats, each in (0, 1]."""
+    budgets = parse_floats(v)
+    if not budgets or any(not 0.0 < b <= 1.0 for b in budgets):  # NaN fails this too
+        raise ConfigError(f"budgets must lie in (0, 1], got {shown(budgets)}")
+    return sorted(set(budgets))
 
 
 def positive(*names: str):
@@ -299,7 +351,7 @@ def _shown(info) -> str:
     return str(d).lower() if isinstance(d, bool) else str(d)
 
 
-def build_parser(kind: type[Settings], prog: str, description: str, epilog: str = ""
+def build_parser(kind: type[Kit], prog: str, description: str, epilog: str = ""
                  ) -> argparse.ArgumentParser:
     """The command line of a settings class: a flag per setting (--batch-size for
     batch_size), in its group, with its help, choices and default; --config FILE for YAML.
@@ -308,30 +360,39 @@ def build_parser(kind: type[Settings], prog: str, description: str, epilog: str 
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 argument_default=argparse.SUPPRESS)
     p.add_argument("--config", metavar="FILE", help="YAML file of settings (flags override it)")
-    groups = {g: p.add_argument_group(g) for g in GROUPS}
+    groups = {g: p.add_argument_group(g) for g in GROUPS}  # argparse leaves empty ones out
     for name, info in kind.model_fields.items():
         extra = _extra(info)
-        flag = "--" + name.replace("_", "-")
         help = (info.description or "").replace("%", "%%")
         shown = "" if info.is_required() or info.default is False else _shown(info)
         if shown:
             help += f" (default: {shown})"
-        elif info.is_required():
+        elif info.is_required() and not extra.get("positional"):
             help += " (required)"
         kwargs: dict[str, Any] = {"help": help}
+        choices = extra.get("choices")
         if info.annotation is bool:
             kwargs["action"] = "store_true"
-        elif name == "input":
-            kwargs.update(nargs="+", action="extend", metavar=extra.get("metavar"))
+        elif isinstance(choices, tuple):
+            kwargs["choices"] = tuple(c for c in choices if c is not None) + (
+                tuple(SFT_ALIASES) if name == "sft_format" else ())  # None: the flag not given
         else:
-            choices = extra.get("choices")
-            if isinstance(choices, tuple):
-                kwargs["choices"] = choices
-                if name == "sft_format":
-                    kwargs["choices"] = choices + tuple(SFT_ALIASES)
-            else:
-                kwargs["metavar"] = extra.get("metavar")
-        groups[extra["group"]].add_argument(flag, **kwargs)
+            kwargs["metavar"] = extra.get("metavar")
+        if extra.get("many") == "repeat":
+            kwargs["action"] = "append"
+        elif extra.get("many"):
+            kwargs["nargs"] = "+"
+            if not extra.get("positional"):
+                kwargs["action"] = "extend"
+        group = extra["group"]
+        if group not in groups:
+            groups[group] = p.add_argument_group(group)
+        if extra.get("positional"):
+            kwargs["metavar"] = kwargs.get("metavar") or name.upper()
+            groups[group].add_argument(name, **kwargs)
+        else:
+            flag = extra.get("flag") or name.replace("_", "-")
+            groups[group].add_argument("--" + flag, dest=name, **kwargs)
     return p
 
 
@@ -382,8 +443,7 @@ def load_yaml(path: str) -> dict:
     return values
 
 
-def from_mapping(values: dict, base: Settings | None = None, kind: type[Settings] | None = None
-                 ) -> Settings:
+def from_mapping(values: dict, base: Kit | None = None, kind: type[Kit] | None = None) -> Kit:
     """Settings from a mapping of setting -> value (YAML or flags), over `base`'s."""
     if kind is None and base is None:
         raise TypeError("from_mapping needs a settings class (kind) or settings to start from")
@@ -398,8 +458,8 @@ def from_mapping(values: dict, base: Settings | None = None, kind: type[Settings
     return kind(**merged)
 
 
-def parse(kind: type[Settings], argv: list[str] | None, prog: str, description: str,
-          epilog: str = "") -> Settings:
+def parse(kind: type[Kit], argv: list[str] | None, prog: str, description: str,
+          epilog: str = "") -> Kit:
     """Defaults, then --config's YAML, then the flags given."""
     args = vars(build_parser(kind, prog, description, epilog).parse_args(argv))
     values = load_yaml(args.pop("config")) if "config" in args else {}
@@ -407,6 +467,6 @@ def parse(kind: type[Settings], argv: list[str] | None, prog: str, description: 
     return from_mapping({**values, **args}, kind=kind)
 
 
-def validate(cfg: Settings) -> Settings:
+def validate(cfg: Kit) -> Kit:
     """The same settings, checked again (constructing them already checks them)."""
     return type(cfg)(**cfg.model_dump())

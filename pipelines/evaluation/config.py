@@ -15,7 +15,7 @@ class EvalConfig(Settings):
     """The evaluation harness's settings (`mist eval`)."""
 
     input: list[str] = setting(..., Settings.model_fields["input"].description, group="input",
-                               metavar="URI")
+                               metavar="URI", many=True)
     budgets: list[float] = setting([0.3, 0.5, 0.7, 0.9], "retention budgets γ, comma-separated",
                                    group="scoring", metavar="LIST")
     methods: list[str] = setting(list(DEFAULT_METHODS), "methods to compare, comma-separated",

@@ -12,7 +12,6 @@ Retention is measured between the `nochain` and `full` controls: an evaluation w
 them gets every other measure and a note saying so."""
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sys
@@ -28,6 +27,7 @@ from mist_core.formats import budget_label
 from mist_core.taxonomy import TYPE_LABELS, TYPES
 
 from ..common import exits
+from ..common.settings import Kit, parse, positive, setting
 from .results import ALL_METHODS, ENDS, RESULTS, RUN, read_records, variant_name
 
 PAPER = {"spearman": -0.07, "overlap30": 0.28,
@@ -588,6 +588,25 @@ def write_report(folders: list[str], out: Path, n_boot: int = 2000, seed: int = 
     return path
 
 
+class ReportConfig(Kit):
+    """`mist report`'s settings."""
+
+    folders: list[str] = setting(..., "results folders written by `mist eval`", group="input",
+                                 positional=True, many=True)
+    out: str = setting("docs/results", "where quality.md and the PNGs go", group="output",
+                       metavar="DIR")
+    notes: str | None = setting(None, "a markdown file of discussion to include (default: "
+                                "<out>/notes.md if any)", group="output", metavar="FILE",
+                                shown="")
+    saliency: str | None = setting(None, "markdown to include for the saliency picture "
+                                   "(default: a link to <out>/saliency.png/.html if present)",
+                                   group="output", metavar="TEXT", shown="")
+    boot: int = setting(2000, "bootstrap draws", group="statistics", metavar="N")
+    seed: int = setting(0, "bootstrap seed", group="statistics")
+
+    _positive = positive("boot")
+
+
 def main(argv: list[str] | None = None, prog: str = "mist report") -> int:
     """`mist report`: write quality.md and its figures from stored evaluation results.
 
@@ -598,26 +617,15 @@ def main(argv: list[str] | None = None, prog: str = "mist report") -> int:
     Returns:
         The exit status: 0, or 2 for a folder that holds no evaluation."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("folders", nargs="+", help="results folders written by pipelines.evaluation.evaluate")
-    p.add_argument("--out", default="docs/results", help="where quality.md and the PNGs go")
-    p.add_argument("--notes", default=None,
-                   help="a markdown file of discussion to include (default: <out>/notes.md if any)")
-    p.add_argument("--saliency", default=None,
-                   help="markdown to include for the saliency picture (default: a link to "
-                        "<out>/saliency.png/.html if present)")
-    p.add_argument("--boot", type=int, default=2000, help="bootstrap draws (default: 2000)")
-    p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
-    a = p.parse_args(argv)
-    out = Path(a.out)
-    notes = Path(a.notes) if a.notes else out / "notes.md"
-    sal = a.saliency
-    if sal is None and (out / "saliency.png").exists():
-        sal = ("What MIST sees in one GSM8K chain: tokens shaded by necessity, sufficiency and the "
-               "unified score, and what each budget keeps ([interactive HTML](saliency.html)).\n\n"
-               "![saliency](saliency.png)")
-
     def body() -> int:
+        a = parse(ReportConfig, argv, prog, __doc__.split("\n\n")[0])
+        out = Path(a.out)
+        notes = Path(a.notes) if a.notes else out / "notes.md"
+        sal = a.saliency
+        if sal is None and (out / "saliency.png").exists():
+            sal = ("What MIST sees in one GSM8K chain: tokens shaded by necessity, sufficiency "
+                   "and the unified score, and what each budget keeps ([interactive HTML]"
+                   "(saliency.html)).\n\n![saliency](saliency.png)")
         path = write_report(a.folders, out, a.boot, a.seed, notes, sal,
                             command=f"{prog} {shlex.join(argv)}")
         print(f"wrote {path}")

@@ -9,7 +9,6 @@ The chain is read with the compression job's reader and adapter (any of its inpu
 is the 1-based row number within its source) and scored in this process."""
 from __future__ import annotations
 
-import argparse
 import html
 import shlex
 import sys
@@ -17,15 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from mist_core.adapters import ADAPTERS
 from mist_core.formats import budget_label
 from mist_core.prune import UNITS
-from mist_core.templates import TEMPLATES
 
 from ..common import exits, page
 from ..common.errors import ConfigError
 from ..common.rows import parse_row
-from ..common.settings import parse_columns, parse_floats
+from ..common.settings import Chains, Corpus, Model, parse, positive, setting
 
 ROWS = ("necessity", "sufficiency", "unified")
 CMAPS = {"necessity": "Reds", "sufficiency": "Blues", "unified": "Purples"}
@@ -177,30 +174,40 @@ def render_png(view: dict, caption: str, path: Path, width: int = 110) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+class SaliencyConfig(Chains, Model, Corpus):
+    """`mist saliency`'s settings: one chain of a corpus, scored and pruned as the job does."""
+
+    row: int = setting(1, "1-based row of the chain in the first input", group="input",
+                       metavar="N")
+    budgets: list[float] = setting([0.3, 0.5, 0.7, 0.9], "retention budgets γ, comma-separated",
+                                   group="scoring", metavar="LIST")
+    unit: str = setting("token", "the pruning unit", group="scoring", choices=UNITS)
+    out: str = setting("docs/results", "folder for saliency.html and saliency.png",
+                       group="output", metavar="DIR")
+
+    _positive = positive("row")
+
+
+def main(argv: list[str] | None = None, prog: str = "mist saliency") -> int:
+    """`mist saliency`: the saliency page and picture of one chain.
+
+    Args:
+        argv: the command line after the program's name (default: sys.argv[1:]).
+        prog: the program's name in --help.
+
+    Returns:
+        The exit status: 0, or 2 for bad settings or a row that is not there."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(prog="mist saliency", description=__doc__.split("\n\n")[0])
-    p.add_argument("--input", nargs="+", required=True)
-    p.add_argument("--format", default="auto", choices=("auto", "jsonl", "parquet"))
-    p.add_argument("--adapter", default="generic", choices=ADAPTERS)
-    p.add_argument("--columns", default="")
-    p.add_argument("--row", type=int, default=1, help="1-based row of the chain (default: 1)")
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--budgets", default="0.3,0.5,0.7,0.9")
-    p.add_argument("--unit", default="token", choices=UNITS)
-    p.add_argument("--alpha", type=float, default=0.6)
-    p.add_argument("--template", default="auto", choices=TEMPLATES)
-    p.add_argument("--out", default="docs/results", help="folder for saliency.html and saliency.png")
-    a = p.parse_args(argv)
-    return exits.run_main(lambda: draw(a, argv))
+    return exits.run_main(lambda: draw(parse(SaliencyConfig, argv, prog,
+                                             __doc__.split("\n\n")[0]), argv))
 
 
-def draw(a: argparse.Namespace, argv: list[str]) -> int:
+def draw(a: SaliencyConfig, argv: list[str]) -> int:
     from mist_core import load_model
 
-    ex = read_example(a.input, a.adapter, parse_columns(a.columns), a.row, a.format)
-    lm = load_model(a.model)
-    view = chain_view(lm, ex, sorted(set(parse_floats(a.budgets))), a.alpha, a.unit, a.template)
+    ex = read_example(a.input, a.adapter, a.columns, a.row, a.format)
+    lm = load_model(a.model, dtype=a.dtype)
+    view = chain_view(lm, ex, a.budgets, a.alpha, a.unit, a.template)
     caption = (f"model {lm.name}; corpus {', '.join(a.input)} ({a.adapter}), row {a.row} "
                f"(id {ex.key}); unit {a.unit}, α = {a.alpha}; command: mist saliency "
                + shlex.join(argv))

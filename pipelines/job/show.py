@@ -14,7 +14,6 @@ original (pruning keeps original pieces in order, so the compressed chain is a s
 of it); data/ stores no mask."""
 from __future__ import annotations
 
-import argparse
 import difflib
 import html
 import json
@@ -33,6 +32,7 @@ import pyarrow.parquet as pq
 from mist_core.formats import DATA_COLUMNS, budget_label
 
 from ..common import exits, page, storage
+from ..common.settings import Kit, parse, positive, setting
 
 # The name pipelines/job/output.py writes (not imported from there: it pulls in Ray).
 MANIFEST = "_manifest.json"
@@ -360,6 +360,21 @@ def render_html(p: Preview) -> str:
     return "\n".join(out) + "\n"
 
 
+class ShowConfig(Kit):
+    """`mist show`'s settings."""
+
+    output: str = setting(..., "the compression job's --output: a folder, s3://… or gs://…",
+                          group="output", positional=True)
+    rows: int = setting(2, "how many examples to show", group="view", metavar="N")
+    id: list[str] = setting([], "show this example instead of the first ones (repeat for "
+                            "more)", group="view", metavar="ID", many="repeat", shown="")
+    lines: int = setting(3, "at most this many lines of each chain", group="view", metavar="N")
+    html: str | None = setting(None, "also write the preview as an HTML page to FILE",
+                               group="output", metavar="FILE", shown="")
+
+    _positive = positive("rows", "lines")
+
+
 def main(argv: list[str] | None = None, prog: str = "mist show") -> int:
     """`mist show`: print the preview of an output folder (and write --html).
 
@@ -369,21 +384,10 @@ def main(argv: list[str] | None = None, prog: str = "mist show") -> int:
 
     Returns:
         The exit status: 0, or 2 for a folder that is not a compression output."""
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("output", help="the compression job's --output: a folder, s3://… or gs://…")
-    p.add_argument("--rows", type=int, default=2, help="how many examples to show (default: 2)")
-    p.add_argument("--id", action="append", default=[], dest="ids", metavar="ID",
-                   help="show this example (repeat for more) instead of the first ones")
-    p.add_argument("--lines", type=int, default=3,
-                   help="at most this many lines of each chain (default: 3)")
-    p.add_argument("--html", default=None, metavar="FILE",
-                   help="also write the preview as an HTML page to FILE")
-    a = p.parse_args(sys.argv[1:] if argv is None else argv)
-    if a.rows < 1 or a.lines < 1:
-        p.error("--rows and --lines take a number of at least 1")
-
     def body() -> int:
-        preview = load(a.output, a.rows, a.ids)
+        a = parse(ShowConfig, sys.argv[1:] if argv is None else argv, prog,
+                  __doc__.split("\n\n")[0])
+        preview = load(a.output, a.rows, a.id)
         width = min(shutil.get_terminal_size((100, 24)).columns, 120)
         color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")  # no-color.org
         print(render_text(preview, width, a.lines, color), end="")

@@ -26,7 +26,6 @@ table, mean and 95% interval over seeds, to <out>/downstream.md; the text under 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -38,8 +37,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
+from pydantic import field_validator
 
 from ..common.errors import ConfigError
+from ..common.settings import Kit, listed, parse, positive, setting
 from ..common.exits import run_main
 
 log = logging.getLogger("pipelines.loop.testbed")
@@ -686,37 +687,60 @@ def existing_reading(path: Path) -> str:
 
 # ---------------------------------------------------------------- entry point
 
-def build_parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
-    p.add_argument("--out", default="docs/results", help="where testbed.json and downstream.md go")
-    p.add_argument("--work", default=None,
-                   help="models and per-seed state, reused by a rerun (default: "
-                        "$MIST_CACHE/testbed, ~/.cache/mist/testbed without it)")
-    p.add_argument("--smoke", action="store_true",
-                   help="small sizes, one seed, MIST, H2O and the controls: a few minutes")
-    p.add_argument("--methods", default=None,
-                   help=f"comma-separated (default: all of {','.join(METHODS)})")
-    p.add_argument("--target-per-seed", action="store_true",
-                   help="train a target per seed instead of one for all seeds (+12 min a seed)")
-    p.add_argument("--mix", choices=("sample", "all", "per_budget"), default=None,
-                   help="the fine-tuning recipe: one γ per chain (sample, the default), every "
-                        "chain at every γ (all), or one model per pruned γ (per_budget)")
-    p.add_argument("--ft-epochs", type=float, default=None,
-                   help=f"fine-tuning epochs (default {FULL.ft_epochs:g})")
-    p.add_argument("--unit", default=None, choices=("token", "word", "equation"),
-                   help="the pruning unit (default token; numbers are one token here)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    return p
+class TestbedConfig(Kit):
+    """`mist testbed`'s settings. The recipe settings (mix, ft_epochs, unit) left unset
+    keep the sizes' own (FULL, or SMOKE with --smoke)."""
+
+    seeds: int = setting(3, "seeds 0..N-1", group="run", metavar="N")
+    methods: list[str] | None = setting(
+        None, f"comma-separated (default: all of {','.join(METHODS)})", group="run",
+        metavar="LIST", shown="")
+    smoke: bool = setting(False, "small sizes, one seed, MIST, H2O and the controls: a few "
+                          "minutes", group="run")
+    target_per_seed: bool = setting(False, "train a target per seed instead of one for all "
+                                    "seeds (+12 min a seed)", group="recipe")
+    mix: str | None = setting(None, "the fine-tuning recipe: one γ per chain (sample, the "
+                              "default), every chain at every γ (all), or one model per "
+                              "pruned γ (per_budget)", group="recipe",
+                              choices=(None, "sample", "all", "per_budget"), shown="")
+    ft_epochs: float | None = setting(None, f"fine-tuning epochs (default {FULL.ft_epochs:g})",
+                                      group="recipe", metavar="N", shown="")
+    unit: str | None = setting(None, "the pruning unit (default token; numbers are one token "
+                               "here)", group="recipe", choices=(None, "token", "word",
+                                                                 "equation"), shown="")
+    out: str = setting("docs/results", "where testbed.json and downstream.md go",
+                       group="output", metavar="DIR")
+    work: str | None = setting(None, "models and per-seed state, reused by a rerun (default: "
+                               "$MIST_CACHE/testbed, ~/.cache/mist/testbed without it)",
+                               group="output", metavar="DIR", shown="")
+    threads: int = setting(1, "torch threads", group="resources", metavar="N")
+
+    _positive = positive("seeds", "threads")
+    _methods = field_validator("methods", mode="before")(
+        classmethod(lambda cls, v: v if v is None else [str(m) for m in listed(v) if str(m)]))
+
+    def _check_more(self) -> None:
+        unknown = sorted(set(self.methods or ()) - set(METHODS))
+        if unknown:
+            raise ConfigError(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+        if self.ft_epochs is not None and not self.ft_epochs > 0:
+            raise ConfigError("ft_epochs must be > 0")
 
 
 def main(argv: list[str] | None = None, prog: str = "mist testbed") -> int:
-    args = build_parser(prog).parse_args(argv)
-    return run_main(lambda: run(args, argv))
+    """`mist testbed`: train and compare models on each method's compressed chains.
+
+    Args:
+        argv: the command line after the program's name (default: sys.argv[1:]).
+        prog: the program's name in --help and in the page's command.
+
+    Returns:
+        The exit status: 0, or 2 for bad settings."""
+    return run_main(lambda: run(parse(TestbedConfig, argv, prog, __doc__.split("\n\n")[0]),
+                                argv))
 
 
-def run(args: argparse.Namespace, argv: list[str] | None) -> int:
+def run(args: TestbedConfig, argv: list[str] | None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     for noisy in ("transformers", "datasets", "trl", "accelerate"):
@@ -735,11 +759,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
     recipe = {k: v for k, v in (("mix", args.mix), ("ft_epochs", args.ft_epochs),
                                 ("unit", args.unit)) if v is not None}
     sizes = replace(sizes, **recipe)
-    methods = (args.methods.split(",") if args.methods else
+    methods = (list(args.methods) if args.methods else
                ["mist", "h2o"] if args.smoke else list(METHODS))
-    unknown = set(methods) - set(METHODS)
-    if unknown:
-        raise ConfigError(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
     seeds = 1 if args.smoke and args.seeds == 3 else args.seeds
     out = Path(args.out)
     work = Path(args.work) if args.work else cache_root() / ("testbed-smoke" if args.smoke
