@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The distillation loop on one GPU, in at most ~8 minutes on an H200: SmolLM2-135M-Instruct and
+# The distillation loop on one GPU, more than 8 minutes on an H200 at full size (a first, cut-off
+# run: docs/results/performance.md, GPU): SmolLM2-135M-Instruct and
 # GSM8K train/test from ../shared/data. Each step is the README's command:
 #   0. generate   K chains for each of N_GEN train questions; the right ones are kept (how
 #                 many is itself a result: a 135M model gets few right)
@@ -20,10 +21,11 @@ DATA=${DATA:-../shared/data/gsm8k}
 MODEL=${MODEL:-smollm2-135m-instruct}
 if [ "${SMALL:-0}" = 1 ]; then
   N_GEN=${N_GEN:-2} K=${K:-1} N_TRAIN=${N_TRAIN:-8} N_TEST=${N_TEST:-4} NEW=${NEW:-8} EPOCHS=${EPOCHS:-1}
-  DTYPE=${DTYPE:-float32}
+  DTYPE=${DTYPE:-float32} GEN_BATCH=${GEN_BATCH:-8}
 else
   N_GEN=${N_GEN:-256} K=${K:-4} N_TRAIN=${N_TRAIN:-2000} N_TEST=${N_TEST:-300} NEW=${NEW:-256}
   EPOCHS=${EPOCHS:-1} DTYPE=${DTYPE:-bfloat16}
+  GEN_BATCH=${GEN_BATCH:-64}  # sequences per generate() call: batch 8 leaves an H200 idle
 fi
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv 2>/dev/null || true
@@ -37,7 +39,7 @@ step() {  # step NAME COMMAND…: run it, time it, keep going if it fails
 
 step generate "$PY" -m pipelines.loop.generate --input "$DATA/train.jsonl" --adapter gsm8k \
     --limit "$N_GEN" --model "$MODEL" --dtype "$DTYPE" --k "$K" --max-new-tokens "$NEW" \
-    --output "$OUT/generate"
+    --batch-size "$GEN_BATCH" --output "$OUT/generate"
 for arm in mist h2o full; do
   case $arm in
     full) extra=(--method mist --budgets 1.0) ;;
@@ -50,7 +52,7 @@ for arm in mist h2o full; do
       --epochs "$EPOCHS" --output "$OUT/train/$arm"
   step "solve_$arm" "$PY" -m pipelines.loop.solve --input "$DATA/test.jsonl" --adapter gsm8k \
       --limit "$N_TEST" --model "$OUT/train/$arm" --dtype "$DTYPE" --budgets 0.5,0.7,1.0 \
-      --max-new-tokens "$NEW" --output "$OUT/solve/$arm"
+      --max-new-tokens "$NEW" --batch-size "$GEN_BATCH" --output "$OUT/solve/$arm"
 done
 
 # One file with every arm's numbers and the steps' seconds.

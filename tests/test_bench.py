@@ -105,6 +105,24 @@ def test_pipeline_over_bare_runs_the_job_on_the_same_chains(tmp_path, model_dir)
     assert not ray.is_initialized()
 
 
+def test_a_sweep_cut_off_keeps_the_lengths_it_finished(tmp_path, monkeypatch):
+    """A GPU run cut by `timeout` lost every length when the JSON was written only at the end."""
+    from pipelines.bench import long
+
+    def fake_run(spec, python, env):
+        if spec["tokens"] == 192:
+            raise KeyboardInterrupt  # what the time limit does to the sweep
+        return {"forward_equivalents": 3.0, "score_s": 3.0, "forward_s": 1.0,
+                "score_s_per_1k_tokens": 1.0, "peak_over_model_bytes": 1, "model_bytes": 2}
+
+    monkeypatch.setattr(long, "_run", fake_run)
+    out = tmp_path / "sweep.json"
+    assert mist(["bench", "--sweep", "96,192", "--model", "random:tiny", "--json", str(out)]) == 130
+    r = json.loads(out.read_text())
+    assert [row["chain_tokens"] for row in r["sweep"]] == [96]
+    assert r["sweep"][0]["forward_equivalents"] == 3.0
+
+
 @pytest.mark.integration
 def test_length_sweep_measures_each_length_in_its_own_processes(tmp_path, capsys):
     out = tmp_path / "sweep.json"

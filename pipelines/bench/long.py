@@ -191,15 +191,18 @@ def _run(spec: dict, python: str, env: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def sweep(args) -> dict:
+def sweep(args, save=None) -> dict:
     """Each length: a timing process, then a memory process for the scorer and one for the
-    forward. `--code DIR` measures another checkout's mist_core (before/after)."""
+    forward. `--code DIR` measures another checkout's mist_core (before/after). `save` gets
+    the result so far after each length, so a sweep cut off by a time limit keeps its rows."""
     env = dict(os.environ)
     if torch.device(args.device).type == "cpu":  # as the job's CPU actors run
         from mist_core.allocator import cpu_scoring_env
 
         env.update(cpu_scoring_env())
     rows = []
+    result = {"model": args.model, "dtype": args.dtype, "device": args.device,
+              "max_memory": args.max_memory, "code": args.code or str(ROOT), "sweep": rows}
     for n in args.sweep:
         spec = {"model": args.model, "dtype": args.dtype, "device": args.device, "tokens": n,
                 "threads": args.threads, "repeats": args.repeats, "max_memory": args.max_memory,
@@ -218,8 +221,9 @@ def sweep(args) -> dict:
                 row["model_bytes"] = res["model_bytes"]
         rows.append(row)
         print(sweep_line(row), flush=True)
-    return {"model": args.model, "dtype": args.dtype, "device": args.device,
-            "max_memory": args.max_memory, "code": args.code or str(ROOT), "sweep": rows}
+        if save:
+            save(result)
+    return result
 
 
 def regime(r: dict) -> str:

@@ -333,7 +333,7 @@ def run(args: BenchConfig) -> int:
     if args.sweep:
         from .long import sweep
 
-        result = sweep(args)
+        result = sweep(args, save=lambda partial: save_json(args, partial))
     else:
         result = {} if args.pipeline_only else bench(args)
         if args.pipeline:
@@ -341,10 +341,14 @@ def run(args: BenchConfig) -> int:
 
             result.update(pipeline_over_bare(args))
         print(table(result))
+    save_json(args, result)
+    return 0
+
+
+def save_json(args: BenchConfig, result: dict) -> None:
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(result, indent=2) + "\n")
-    return 0
 
 
 if __name__ == "__main__":
