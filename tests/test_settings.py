@@ -156,10 +156,6 @@ def test_one_builder_makes_every_registered_scorer(tiny_lm):
         Scoring("nope")
 
 
-# Commands whose flags are still built by hand (loop/base.py's add_common): issue 31.
-BY_HAND = {"generate", "train", "solve"}
-
-
 def _settings_class(module):
     from pipelines.common import settings
 
@@ -180,9 +176,6 @@ def test_every_command_help_comes_from_its_settings(capsys):
     checked = set()
     for command, (module, _) in cli.COMMANDS.items():
         kind = _settings_class(importlib.import_module(f"pipelines.{module}"))
-        if command in BY_HAND:
-            assert kind is None, f"{command} has settings now: take it off BY_HAND"
-            continue
         assert kind is not None, f"mist {command} declares no settings class"
         with pytest.raises(SystemExit) as exit_:
             cli.main([command, "--help"])
@@ -197,4 +190,4 @@ def test_every_command_help_comes_from_its_settings(capsys):
         dests = {a.dest for a in parser._actions} - {"help", "config"}
         assert dests == set(kind.model_fields), command
         checked.add(command)
-    assert checked == set(cli.COMMANDS) - BY_HAND
+    assert checked == set(cli.COMMANDS)

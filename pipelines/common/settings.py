@@ -246,7 +246,28 @@ class Model(Kit):
                          choices=DTYPES)
 
 
-class Replicas(Model):
+class RemoteCode(Kit):
+    """Whether transformers may run a model's own Python code (the job, the loop)."""
+
+    trust_remote_code: bool = setting(
+        False, "let transformers run Python code shipped with the model or tokenizer (off by "
+        "default: a hub repository's code would run on every worker)", group="scoring")
+
+
+class Ray(Kit):
+    """The Ray cluster a command joins, and how much of Ray's own output it shows."""
+
+    address: str | None = setting(
+        None, "Ray cluster to join, e.g. auto for one started with `ray start` on this "
+        "machine (default: $RAY_ADDRESS, which `ray job submit` sets; else a new local Ray "
+        "for this run)", group="resources", metavar="ADDR", shown="")
+    verbose: bool = setting(
+        False, "also show Ray's and Ray Data's own output: their status blocks, the workers' "
+        "model-loading bars and library warnings (otherwise only in Ray's session logs, "
+        "/tmp/ray/session_latest/logs)", group="output")
+
+
+class Replicas(Model, Ray):
     """The model's replicas: Ray actors, each with one copy (the job, the evaluation, the
     loop's generate and solve)."""
 
@@ -258,14 +279,6 @@ class Replicas(Model):
     gpus_per_actor: float | None = setting(
         None, "GPUs per actor; auto: 1 if the cluster has GPUs now, else 0 (CPU actors). "
         "Give 1 on an autoscaling GPU cluster", group="resources", metavar="G", shown="auto")
-    address: str | None = setting(
-        None, "Ray cluster to join, e.g. auto for one started with `ray start` on this "
-        "machine (default: $RAY_ADDRESS, which `ray job submit` sets; else a new local Ray "
-        "for this run)", group="resources", metavar="ADDR", shown="")
-    verbose: bool = setting(
-        False, "also show Ray's and Ray Data's own output: their status blocks, the workers' "
-        "model-loading bars and library warnings (otherwise only in Ray's session logs, "
-        "/tmp/ray/session_latest/logs)", group="output")
 
     @field_validator("actors", mode="before")
     @classmethod

@@ -10,10 +10,11 @@ from mist_core.formats import SFT_FORMATS, SFT_MIXES, sft_format_name
 from mist_core.prune import UNITS
 
 from ..common.errors import ConfigError
-from ..common.settings import (DEVICES, MIST_FAMILY, Settings, auto_or, positive, setting,
-                               shown)
+from ..common.settings import (DEVICES, MIST_FAMILY, RemoteCode, Settings, auto_or, positive,
+                               setting, shown)
 
-class JobConfig(Settings):
+
+class JobConfig(Settings, RemoteCode):
     """The compression job's settings (`mist compress`)."""
 
     limit: int | None = setting(None, "read only the first N rows", group="input",
@@ -56,9 +57,6 @@ class JobConfig(Settings):
         group="scoring", choices=LAYER_WEIGHTS)
     keep_digits: bool = setting(False, "always keep tokens with digits (may exceed the budget)",
                                 group="scoring")
-    trust_remote_code: bool = setting(
-        False, "let transformers run Python code shipped with the model or tokenizer (off by "
-        "default: a hub repository's code would run on every worker)", group="scoring")
     batch_size: int = setting(32, "chains per forward pass; a scoring actor takes 8 times as "
                               "many rows per call and packs them by length",
                               group="resources", metavar="N")

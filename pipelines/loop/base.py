@@ -4,7 +4,6 @@ pool and resources (runtime.py), writing their small outputs, their flags, and t
 points' one exit-code policy (errors.py: 2 bad settings, input or model; 4 storage)."""
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import logging
@@ -20,7 +19,7 @@ from mist_core.fields import row_id
 
 from ..common import exits, runtime, storage
 from ..common.rows import parse_examples, remote_code_refused
-from ..common.settings import Settings, one_line, parse_actors, parse_columns
+from ..common.settings import Corpus, RemoteCode, Replicas, one_line, positive, setting
 from ..common.errors import ConfigError, ModelLoadError
 from ..common.sources import check_submitted_paths, read_raw, resolve_inputs
 
@@ -181,50 +180,26 @@ def write_json(uri: str, obj: dict) -> None:
 
 # ---------------------------------------------------------------- command lines
 
-def add_common(p: argparse.ArgumentParser, *, actors: bool = True) -> None:
-    """The flags every loop command shares with the compression job."""
-    p.add_argument("--model", default="smollm2-135m-instruct",
-                   help="hub id, local folder, .gguf file or smollm2-135m-instruct "
-                        "(default: smollm2-135m-instruct)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--address", default=None, help="Ray cluster (default: $RAY_ADDRESS or a new local Ray)")
-    add_verbose(p)
-    if actors:
-        p.add_argument("--actors", default="1", type=parse_actors,
-                       help="model replicas: N or MIN,MAX (default: 1)")
-        p.add_argument("--cpus-per-actor", type=float, default=1.0)
-        p.add_argument("--gpus-per-actor", default="auto",
-                       type=lambda v: None if v == "auto" else float(v),
-                       help="GPUs per model replica (default: 1 where the cluster has GPUs, else 0)")
-    add_trust_remote_code(p)
+class Questions(Replicas, Corpus, RemoteCode):
+    """The settings `mist generate` and `mist solve` share with the compression job (the
+    corpus, the model and its actors), and the question set's own."""
 
+    input: list[str] = setting(
+        ..., "question set: files or folders (local, s3://, gs://), hf://name[@split] or "
+        "demo[:N], read as the compression job reads them", group="input", metavar="URI",
+        many=True)
+    limit: int | None = setting(None, "the first N questions only", group="input",
+                                metavar="N", shown="")
+    style: str = setting("auto", "how answers are compared (default: the adapter's; generic: "
+                         "gsm8k)", group="input", choices=("auto", "gsm8k", "math"), shown="")
+    output: str = setting(..., "folder (local, s3://, gs://) for what the command writes",
+                          group="output", metavar="URI")
+    max_new_tokens: int = setting(512, "tokens generated per answer at most", group="scoring",
+                                  metavar="N")
+    batch_size: int = setting(8, "questions per actor call and sequences per forward pass",
+                              group="resources", metavar="N")
 
-def add_verbose(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--verbose", action="store_true",
-                   help=Settings.model_fields["verbose"].description)
-
-
-def add_trust_remote_code(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="let transformers run Python code shipped with the model or tokenizer "
-                        "(off by default: a model folder's code would run on every worker)")
-
-
-def add_questions(p: argparse.ArgumentParser) -> None:
-    from mist_core.adapters import ADAPTERS
-
-    p.add_argument("--input", nargs="+", required=True, metavar="URI",
-                   help="question set: files or folders (local, s3://, gs://), hf://name[@split] "
-                        "or demo[:N], read as the compression job reads them")
-    p.add_argument("--format", default="auto", choices=("auto", "jsonl", "parquet"))
-    p.add_argument("--adapter", default="generic", choices=ADAPTERS,
-                   help="how rows hold the question and gold answer (gsm8k: answer after ####; "
-                        "generic: question and answer columns, no chain needed)")
-    p.add_argument("--columns", default="", type=parse_columns,
-                   help="generic adapter's columns, e.g. question=q,answer=a,id=i")
-    p.add_argument("--limit", type=int, default=None, help="the first N questions only")
-    p.add_argument("--style", default="auto", choices=("auto", "gsm8k", "math"),
-                   help="how answers are compared (default: the adapter's; generic: gsm8k)")
+    _positive_ints = positive("limit", "max_new_tokens", "batch_size")
 
 
 def style_of(style: str, adapter: str) -> str:
@@ -246,11 +221,9 @@ class Start:
     device: str
 
 
-def start(args: argparse.Namespace) -> Start:
+def start(args: Questions) -> Start:
     """The shared start of a question-set command: paths that ray job submit can reach, the
     model's tokenizer, Ray, the questions, the actors' pool and device."""
-    if args.limit is not None and args.limit < 1:  # the flag is add_questions'
-        raise ConfigError("--limit must be at least 1")
     try:
         check_submitted_paths(args.input, args.output)
     except ValueError as e:

@@ -20,7 +20,6 @@ Files starting with `_` are not read as input by the compression job. A rerun re
 the three files."""
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import sys
 import time
@@ -33,6 +32,7 @@ from mist_core.errors import MissingDependency
 from . import base as loop
 from ..common import runtime, storage
 from ..common.errors import ConfigError
+from ..common.settings import parse, positive, setting
 
 SAMPLE_SCHEMA = pa.schema([
     ("id", pa.string()), ("source_id", pa.string()), ("sample", pa.int64()),
@@ -110,7 +110,7 @@ def vllm_sample(row: dict, *, style: str, max_new_tokens: int) -> dict:
                          Completion(row["generated_text"], n, n < max_new_tokens), style)
 
 
-def vllm_samples(questions: list[dict], args: argparse.Namespace, style: str):
+def vllm_samples(questions: list[dict], args: GenerateConfig, style: str):
     from functools import partial
 
     import ray
@@ -168,7 +168,7 @@ def select(samples: list[dict]) -> tuple[list[dict], list[dict]]:
     return kept, rejected
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: GenerateConfig) -> int:
     from mist_core.models import resolve
 
     t0 = time.perf_counter()
@@ -233,25 +233,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=EPILOG)
-    loop.add_questions(p)
-    p.add_argument("--output", required=True, help="folder (local, s3://, gs://) for the corpus")
-    p.add_argument("--output-format", default="jsonl", choices=("jsonl", "parquet"))
-    p.add_argument("--k", type=int, default=4, help="chains sampled per question (default: 4)")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=8,
-                   help="questions per actor call and sequences per forward pass (default: 8)")
-    p.add_argument("--engine", default="auto", choices=("auto", "transformers", "vllm"),
-                   help="auto: vLLM through ray.data.llm where vLLM is installed and the "
-                        "actors get GPUs, else transformers (default: auto)")
-    loop.add_common(p)
-    return p
+class GenerateConfig(loop.Questions):
+    """`mist generate`'s settings."""
+
+    output_format: str = setting("jsonl", "the corpus's file format", group="output",
+                                 choices=("jsonl", "parquet"))
+    k: int = setting(4, "chains sampled per question", group="scoring", metavar="K")
+    temperature: float = setting(0.7, "sampling temperature, >= 0", group="scoring",
+                                 metavar="T")
+    top_p: float = setting(0.95, "nucleus sampling's p, in (0, 1]", group="scoring",
+                           metavar="P")
+    seed: int = setting(0, "sampling seed", group="scoring")
+    engine: str = setting("auto", "auto: vLLM through ray.data.llm where vLLM is installed and "
+                          "the actors get GPUs, else transformers", group="resources",
+                          choices=("auto", "transformers", "vllm"))
+
+    _positive = positive("k")
+
+    def _check_more(self) -> None:
+        if not 0 < self.top_p <= 1 or not self.temperature >= 0:
+            raise ConfigError("--top-p must lie in (0, 1] and --temperature be >= 0")
 
 
 EPILOG = """\
@@ -262,13 +263,8 @@ example:
 """
 
 
-def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
-    args = build_parser(prog).parse_args(argv)
-    if args.k < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
-        raise ConfigError("--k, --batch-size and --max-new-tokens must be at least 1")
-    if not 0 < args.top_p <= 1 or args.temperature < 0:
-        raise ConfigError("--top-p must lie in (0, 1] and --temperature be >= 0")
-    return args
+def parse_args(argv: list[str] | None, prog: str) -> GenerateConfig:
+    return parse(GenerateConfig, argv, prog, __doc__.split("\n\n")[0], EPILOG)
 
 
 def main(argv: list[str] | None = None, prog: str = "mist generate") -> int:

@@ -11,16 +11,15 @@ generation.read_answer: the `The answer is ` line, else the last number (gsm8k) 
 (math); `answer_line` says which. A rerun replaces both files."""
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 import pyarrow as pa
+from pydantic import field_validator
 
 from . import base as loop
 from ..common import runtime, storage
-from ..common.settings import parse_floats
-from ..common.errors import ConfigError
+from ..common.settings import check_budgets, parse, positive, setting
 
 RESULT_SCHEMA = pa.schema([
     ("id", pa.string()), ("budget", pa.float64()), ("question", pa.string()),
@@ -54,7 +53,7 @@ class SolveActor:
         return pa.Table.from_pylist(out, schema=RESULT_SCHEMA)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: SolveConfig) -> int:
     from mist_core.generation import summarize, summary_table
     from mist_core.models import resolve
 
@@ -102,22 +101,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=EPILOG)
-    loop.add_questions(p)
-    p.add_argument("--output", required=True, help="folder (local, s3://, gs://) for the results")
-    p.add_argument("--budgets", default="0.5,0.7,1.0",
-                   help="budgets γ to ask for; 1.0 (no directive) is the baseline that "
-                        "achieved compression is measured against (default: 0.5,0.7,1.0)")
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=8,
-                   help="questions per actor call and sequences per forward pass (default: 8)")
-    p.add_argument("--n-boot", type=int, default=2000, help="bootstrap draws (default: 2000)")
-    p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
-    loop.add_common(p)
-    return p
+class SolveConfig(loop.Questions):
+    """`mist solve`'s settings."""
+
+    budgets: list[float] = setting(
+        [0.5, 0.7, 1.0], "budgets γ to ask for; 1.0 (no directive) is the baseline that "
+        "achieved compression is measured against", group="scoring", metavar="LIST")
+    n_boot: int = setting(2000, "bootstrap draws", group="statistics", metavar="N")
+    seed: int = setting(0, "bootstrap seed", group="statistics")
+
+    _budgets = field_validator("budgets", mode="before")(
+        classmethod(lambda cls, v: check_budgets(v)))
+    _positive = positive("n_boot")
 
 
 EPILOG = """\
@@ -127,14 +122,8 @@ example:
 """
 
 
-def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
-    args = build_parser(prog).parse_args(argv)
-    args.budgets = sorted(set(parse_floats(args.budgets)))
-    if not args.budgets or any(not 0 < b <= 1 for b in args.budgets):
-        raise ConfigError(f"--budgets must lie in (0, 1], got {args.budgets}")
-    if args.batch_size < 1 or args.max_new_tokens < 1 or args.n_boot < 1:
-        raise ConfigError("--batch-size, --max-new-tokens and --n-boot must be at least 1")
-    return args
+def parse_args(argv: list[str] | None, prog: str) -> SolveConfig:
+    return parse(SolveConfig, argv, prog, __doc__.split("\n\n")[0], EPILOG)
 
 
 def main(argv: list[str] | None = None, prog: str = "mist solve") -> int:

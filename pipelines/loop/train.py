@@ -12,7 +12,6 @@ reaches (s3://…, or a shared folder); by default checkpoints go to a temporary
 this machine, which is enough for one machine."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -23,10 +22,12 @@ import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from pydantic import field_validator
+
 from . import base as loop
 from ..common import runtime, storage
 from ..common.errors import ConfigError
-from ..common.settings import one_line
+from ..common.settings import Ray, RemoteCode, auto_or, one_line, parse, positive, setting
 
 TRAINING_OPTIONS = ("lora", "lora_rank", "epochs", "learning_rate", "batch_size", "max_length",
                     "seed", "log_every", "trust_remote_code")
@@ -78,7 +79,7 @@ def train_worker(config: dict) -> None:
             ray.train.report({})
 
 
-def train_distributed(args: argparse.Namespace, records: list[dict], options: dict,
+def train_distributed(args: TrainConfig, records: list[dict], options: dict,
                       target: Path) -> None:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -141,7 +142,7 @@ def replace_folder(stage: Path, out: Path) -> None:
         os.replace(stage, out)  # over an empty folder too
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: TrainConfig) -> int:
     from mist_core.finetune import REPORT, finetune
 
     t0 = time.perf_counter()
@@ -182,45 +183,56 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=EPILOG)
-    p.add_argument("--sft", nargs="+", required=True, metavar="PATH",
-                   help="compression job output folders (their sft/ is read), sft/ folders or "
-                        "files (JSONL or parquet; local, s3://, gs://)")
-    p.add_argument("--model", default="smollm2-135m-instruct",
-                   help="the model to fine-tune: hub id, local folder, .gguf file or "
-                        "smollm2-135m-instruct (default)")
-    p.add_argument("--output", required=True,
-                   help="local folder for the trained model: new or empty, or with "
-                        "--overwrite a model `mist train` saved there earlier")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the model an earlier `mist train` saved in --output (once "
-                        "the new one is trained)")
-    p.add_argument("--lora", action="store_true", help="train LoRA adapters (merged when saved)")
-    p.add_argument("--lora-rank", type=int, default=16)
-    p.add_argument("--epochs", type=float, default=1.0)
-    p.add_argument("--lr", type=float, default=None,
-                   help="learning rate (default: 2e-5, or 2e-4 with --lora)")
-    p.add_argument("--batch-size", type=int, default=8, help="records per step per worker")
-    p.add_argument("--max-length", type=int, default=2048, help="tokens per record, cut beyond")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=10, help="steps between logged losses")
-    p.add_argument("--workers", type=int, default=1,
-                   help="1: train in this process; N: N Ray Train workers (default: 1)")
-    p.add_argument("--cpus-per-worker", type=float, default=1.0)
-    p.add_argument("--gpus-per-worker", default="auto",
-                   type=lambda v: None if v == "auto" else float(v),
-                   help="GPUs per Ray Train worker (default: 1 where the cluster has GPUs)")
-    p.add_argument("--storage-path", default=None,
-                   help="where Ray Train keeps the checkpoint (s3://… or a shared folder on a "
-                        "multi-machine cluster; default: a temporary local folder)")
-    p.add_argument("--address", default=None,
-                   help="Ray cluster for --workers N (default: $RAY_ADDRESS or a new local Ray)")
-    loop.add_verbose(p)
-    loop.add_trust_remote_code(p)
-    return p
+class TrainConfig(Ray, RemoteCode):
+    """`mist train`'s settings."""
+
+    sft: list[str] = setting(..., "compression job output folders (their sft/ is read), sft/ "
+                             "folders or files (JSONL or parquet; local, s3://, gs://)",
+                             group="input", metavar="PATH", many=True)
+    model: str = setting("smollm2-135m-instruct", "the model to fine-tune: hub id, local "
+                         "folder, .gguf file or smollm2-135m-instruct", group="scoring",
+                         metavar="SPEC")
+    output: str = setting(..., "local folder for the trained model: new or empty, or with "
+                          "--overwrite a model `mist train` saved there earlier",
+                          group="output", metavar="DIR")
+    overwrite: bool = setting(False, "replace the model an earlier `mist train` saved in "
+                              "--output (once the new one is trained)", group="output")
+    lora: bool = setting(False, "train LoRA adapters (merged when saved)", group="training")
+    lora_rank: int = setting(16, "LoRA rank", group="training", metavar="R")
+    epochs: float = setting(1.0, "epochs over the records", group="training", metavar="N")
+    lr: float | None = setting(None, "learning rate (default: 2e-5, or 2e-4 with --lora)",
+                               group="training", metavar="LR", shown="")
+    batch_size: int = setting(8, "records per step per worker", group="training", metavar="N")
+    max_length: int = setting(2048, "tokens per record, cut beyond", group="training",
+                              metavar="N")
+    seed: int = setting(0, "training seed", group="training")
+    log_every: int = setting(10, "steps between logged losses", group="training", metavar="N")
+    workers: int = setting(1, "1: train in this process; N: N Ray Train workers",
+                           group="resources", metavar="N")
+    cpus_per_worker: float = setting(1.0, "CPUs per Ray Train worker", group="resources",
+                                     metavar="C")
+    gpus_per_worker: float | None = setting(
+        None, "GPUs per Ray Train worker (default: 1 where the cluster has GPUs)",
+        group="resources", metavar="G", shown="")
+    storage_path: str | None = setting(
+        None, "where Ray Train keeps the checkpoint (s3://… or a shared folder on a "
+        "multi-machine cluster; default: a temporary local folder)", group="resources",
+        metavar="URI", shown="")
+
+    _positive = positive("lora_rank", "batch_size", "log_every", "workers")
+    _gpus = field_validator("gpus_per_worker", mode="before")(
+        classmethod(lambda cls, v: auto_or(v, float)))
+
+    def _check_more(self) -> None:
+        if self.max_length < 8:
+            raise ConfigError("--max-length must be at least 8")
+        if self.epochs <= 0 or (self.lr is not None and self.lr <= 0):
+            raise ConfigError("--epochs and --lr must be positive")
+        if not self.cpus_per_worker > 0 or (self.gpus_per_worker or 0) < 0:
+            raise ConfigError("--cpus-per-worker must be > 0 and --gpus-per-worker >= 0")
+        scheme = urlsplit(self.output).scheme
+        if len(scheme) > 1 and scheme != "file":  # one letter: a Windows drive
+            raise ConfigError(f"--output {self.output}: the model is saved to a local folder")
 
 
 EPILOG = """\
@@ -230,17 +242,8 @@ example:
 """
 
 
-def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
-    args = build_parser(prog).parse_args(argv)
-    if args.workers < 1 or args.batch_size < 1 or args.lora_rank < 1 or args.max_length < 8:
-        raise ConfigError("--workers, --batch-size and --lora-rank must be at least 1, "
-                          "--max-length at least 8")
-    if args.epochs <= 0 or (args.lr is not None and args.lr <= 0):
-        raise ConfigError("--epochs and --lr must be positive")
-    scheme = urlsplit(args.output).scheme
-    if len(scheme) > 1 and scheme != "file":  # one letter: a Windows drive
-        raise ConfigError(f"--output {args.output}: the model is saved to a local folder")
-    return args
+def parse_args(argv: list[str] | None, prog: str) -> TrainConfig:
+    return parse(TrainConfig, argv, prog, __doc__.split("\n\n")[0], EPILOG)
 
 
 def main(argv: list[str] | None = None, prog: str = "mist train") -> int:
