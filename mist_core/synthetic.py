@@ -62,6 +62,8 @@ CHAIN_FILLER = ["Let me keep track.", "That is a lot of {item}.", "Now I check t
                 "The {item} are kept in a box."]
 
 EQUATION = re.compile(r"(\d+) ([-+*]) (\d+) = (\d+)")
+# The verbs of the chain's step narrations (STEP_PHRASES), each naming its question sentence.
+CUE = re.compile(r"\b(?:buys|finds|gives away|gives|loses|sells|doubles|triples)\b")
 
 
 @dataclass(frozen=True)
@@ -186,22 +188,42 @@ def make_problems(n: int, seed: int, prefix: str = "p", exclude: Iterable[str] =
 
 # ---------------------------------------------------------------- ground truth
 
-def needed_spans(cot: str, steps: Sequence[Step]) -> tuple[list[tuple[int, int]], int]:
-    """The needed spans of any chain for a problem with these steps: each step's equation
-    (`x op b = y` with the step's values), matched in step order, gives the spans of x, op,
-    b and y. Returns (spans, steps found); a chain that skips or garbles a step has that
-    step's spans missing (a generated chain can reach the right answer otherwise)."""
-    spans, found, at = [], 0, 0
+def _matched(cot: str, steps: Sequence[Step]) -> list[re.Match]:
+    """Each step's equation (`x op b = y` with the step's values) in the chain, matched in
+    step order; a step the chain skips or garbles has none."""
+    out, at = [], 0
     eqs = list(EQUATION.finditer(cot))
     for st in steps:
         for j in range(at, len(eqs)):
             m = eqs[j]
             if (int(m[1]), m[2], int(m[3]), int(m[4])) == (st.before, st.op, st.operand, st.after):
-                spans += [m.span(g) for g in (1, 2, 3, 4)]
-                found += 1
+                out.append(m)
                 at = j + 1
                 break
-    return spans, found
+    return out
+
+
+def needed_spans(cot: str, steps: Sequence[Step]) -> tuple[list[tuple[int, int]], int]:
+    """The needed spans of any chain for a problem with these steps: each step's equation
+    (`x op b = y` with the step's values), matched in step order, gives the spans of x, op,
+    b and y. Returns (spans, steps found); a chain that skips or garbles a step has that
+    step's spans missing (a generated chain can reach the right answer otherwise)."""
+    found = _matched(cot, steps)
+    return [m.span(g) for m in found for g in (1, 2, 3, 4)], len(found)
+
+
+def cue_spans(cot: str, steps: Sequence[Step]) -> list[tuple[int, int]]:
+    """What a *writer* needs beside the equations: each step's cue, the verb of the
+    narration before its equation (`loses` in `He loses 5, so 40 - 5 = 35`), which points
+    the writer at the question's sentence the step comes from. One span per matched
+    equation whose narration (the text since the previous equation) has a cue verb."""
+    spans, start = [], 0
+    for m in _matched(cot, steps):
+        cues = list(CUE.finditer(cot, start, m.start()))
+        if cues:
+            spans.append(cues[-1].span())
+        start = m.end()
+    return spans
 
 
 def token_mask(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndarray:

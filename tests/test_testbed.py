@@ -9,9 +9,9 @@ import re
 import numpy as np
 import pytest
 
-from mist_core.synthetic import (EQUATION, MAX_VALUE, Step, apply, build_tokenizer, make_problem,
-                                 make_problems, needed_spans, precision_recall, tiny_llama,
-                                 token_mask, vocabulary_texts)
+from mist_core.synthetic import (EQUATION, MAX_VALUE, Step, apply, build_tokenizer, cue_spans,
+                                 make_problem, make_problems, needed_spans, precision_recall,
+                                 tiny_llama, token_mask, vocabulary_texts)
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +83,19 @@ def test_labeller_on_generated_style_chains():
     # steps are matched in order: an equation before the previous step's does not count
     spans, found = needed_spans("7 * 2 = 14. Then 3 + 4 = 7.", steps)
     assert found == 1
+
+
+def test_cue_spans_find_each_steps_verb():
+    steps = [Step("-", 5, 9, 4), Step("*", 3, 4, 12), Step("+", 6, 12, 18)]
+    cot = ("Cara starts with 9 pens. She loses 5, so 9 - 5 = 4. The number triples, so "
+           "4 * 3 = 12. The pens are kept in a box. A friend gives her 6 more, so 12 + 6 = 18.")
+    assert [cot[a:b] for a, b in cue_spans(cot, steps)] == ["loses", "triples", "gives"]
+    # "gives away" is one cue; a step whose narration has no verb has none
+    cot = "She gives away 5, so 9 - 5 = 4. So 4 * 3 = 12."
+    assert [cot[a:b] for a, b in cue_spans(cot, steps[:2])] == ["gives away"]
+    # the generator's own chains have one cue per step
+    for p in make_problems(50, seed=3):
+        assert len(cue_spans(p.cot, p.steps)) == len(p.steps)
 
 
 def test_token_mask_precision_recall():
@@ -182,11 +195,18 @@ def test_oracle_variants_and_controls_prune_as_defined(problems, word_tokenizer)
 
     lm = wrap_model(tiny_llama(word_tokenizer, layers=2, hidden=32), word_tokenizer, "t")
     chains = [{**p.row(), "source_id": p.id} for p in problems[:4]]
-    methods = ["oracle", "oracle_near", "head", "hybrid", "mist_alpha", "mist_equation",
-               "mist_mean"]
+    methods = ["oracle", "oracle_near", "oracle_cue", "head", "hybrid", "mist_alpha",
+               "mist_equation", "mist_mean"]
     compressed, kept = score_and_prune(lm, chains, methods, seed=0)
-    for oracle in ("oracle", "oracle_near"):
+    for oracle in ("oracle", "oracle_near", "oracle_cue"):
         assert kept[oracle]["0.5"]["recall"] == 1.0 and kept[oracle]["0.5"]["equals"] == 1.0
+    for c in chains:  # oracle_cue keeps each step's cue verb with its equation
+        cues = [c["cot"][a:b] for a, b in cue_spans(c["cot"], [Step(*t) for t in c["steps"]])]
+        assert len(cues) == len(c["steps"])
+        text = compressed["oracle_cue"][c["id"]][0.5]
+        at = 0
+        for cue in cues:
+            at = text.index(cue, at) + len(cue)
     assert kept["mist_alpha"]["alpha"] in ALPHAS
     for c in chains:
         words = c["cot"].split()
@@ -210,7 +230,7 @@ def test_oracle_variants_and_controls_prune_as_defined(problems, word_tokenizer)
     encoded = [template.encode(Example(c["question"], c["cot"], c["answer"], id=c["id"]))
                for c in chains]
     cache = {"unit": "token"}
-    hybrid = _scored("hybrid", lm, encoded, None, None, 0, cache)
+    hybrid = _scored("hybrid", lm, encoded, None, 0, cache)
     for h, m, a in zip(hybrid, cache["mist_clipped"], cache["h2o"]):
         np.testing.assert_allclose(h.scores, 0.5 * zscore(m.scores) + 0.5 * zscore(np.log(a.scores)))
 

@@ -47,12 +47,14 @@ log = logging.getLogger("pipelines.loop.testbed")
 
 METHODS = ("mist", "necessity", "sufficiency", "h2o", "crisp", "perplexity", "gogi_l1", "uniform",
            "tail", "head", "mist_clipped", "mist_mean", "mist_equation", "mist_alpha", "hybrid",
-           "oracle", "oracle_near")
+           "oracle", "oracle_near", "oracle_cue")
 # Not scorers: `head` keeps the first tokens (truncation), `tail` the last; `oracle` keeps the
 # generator's ground truth (operands, operators, results) and the equations' `=` first, then
 # random tokens up to ⌈γT⌉: the ceiling for any scorer. `oracle_near` fills with the tokens
 # nearest the ground truth instead (the words that lead to each equation, "loses 5, so"),
-# dropping the filler and distractor sentences first.
+# dropping the filler and distractor sentences first. `oracle_cue` is oracle_near with each
+# step's cue verb (`loses`, `doubles`: what points the writer at the question's next
+# sentence) in the ground truth too: the ceiling for a writer rather than a reader.
 POSITIONAL = ("head", "tail")
 # Variants beyond the paper (issue: keep one only where it wins here and on the GSM8K/MATH
 # proxies): name -> (scorer, its options).
@@ -189,11 +191,11 @@ def score_and_prune(lm, chains: list[dict], methods, seed: int, unit: str = "tok
     from mist_core.errors import InvalidExample
     from mist_core.examples import Example
     from mist_core.prune import prune
-    from mist_core.synthetic import Step, needed_spans, precision_recall, token_mask
+    from mist_core.synthetic import Step, cue_spans, needed_spans, precision_recall, token_mask
     from mist_core.templates import get_template
 
     template = get_template("auto", lm.tokenizer, lm.max_length)
-    encoded, needed, labelled, equals = [], [], [], []
+    encoded, needed, labelled, equals, cues = [], [], [], [], []
     for c in chains:
         enc = template.encode(Example(c["question"], c["cot"], c["answer"], id=c["id"]))
         steps = [Step(*s) for s in c["steps"]]
@@ -204,10 +206,12 @@ def score_and_prune(lm, chains: list[dict], methods, seed: int, unit: str = "tok
         # The equations' `=` signs are not in the ground truth (they carry no quantity) but
         # hold the chain's structure; what each method keeps of them is reported beside it.
         equals.append(np.array([c["cot"][a:b].strip() == "=" for a, b in enc.chain_offsets]))
+        cues.append(token_mask(enc.chain_offsets, cue_spans(c["cot"], steps)))
+    labels = {"needed": needed, "equals": equals, "cues": cues}
     compressed, kept_stats, timings, cache = {}, {}, {}, {"unit": unit}
     for method in methods:
         t0 = time.time()
-        scored = _scored(method, lm, encoded, needed, equals, seed, cache)
+        scored = _scored(method, lm, encoded, labels, seed, cache)
         timings[method] = time.time() - t0
         out, pr = {}, {g: [] for g in TRAIN_BUDGETS}
         eq_kept = {g: [0, 0] for g in TRAIN_BUDGETS}
@@ -237,9 +241,10 @@ def score_and_prune(lm, chains: list[dict], methods, seed: int, unit: str = "tok
     return compressed, kept_stats
 
 
-def _scored(method: str, lm, encoded, needed, equals, seed: int, cache: dict) -> list:
+def _scored(method: str, lm, encoded, labels: dict, seed: int, cache: dict) -> list:
     """One method's ScoredChains (or InvalidExample per chain it could not score); scorings
-    that another method reuses are kept in `cache`."""
+    that another method reuses are kept in `cache`. `labels`: the ground truth's token masks
+    per chain ("needed", the `=` signs "equals", the step cues "cues"), for the oracles."""
     from mist_core.evaluation import positional_scores
     from mist_core.registry import Scoring
     from mist_core.scorer import ScoredChain, combine, zscore
@@ -252,21 +257,27 @@ def _scored(method: str, lm, encoded, needed, equals, seed: int, cache: dict) ->
     elif method == "oracle":  # ground truth 2, `=` 1, the rest a random fill below both
         rng = np.random.default_rng(seed)
         scored = [ScoredChain.from_encoded(e, method, 2.0 * n + q + 0.5 * rng.random(e.chain_len))
-                  for e, n, q in zip(encoded, needed, equals)]
+                  for e, n, q in zip(encoded, labels["needed"], labels["equals"])]
     elif method == "oracle_near":  # ground truth 2, `=` 1, the rest by nearness to them
         rng = np.random.default_rng(seed)
         scored = [ScoredChain.from_encoded(e, method, 2.0 * n + q + 0.5 * _nearness(n | q)
                                            + 1e-3 * rng.random(e.chain_len))
-                  for e, n, q in zip(encoded, needed, equals)]
+                  for e, n, q in zip(encoded, labels["needed"], labels["equals"])]
+    elif method == "oracle_cue":  # oracle_near with each step's cue verb as ground truth too
+        rng = np.random.default_rng(seed)
+        scored = [ScoredChain.from_encoded(e, method, 2.0 * (n | k) + q + 0.5 * _nearness(n | k | q)
+                                           + 1e-3 * rng.random(e.chain_len))
+                  for e, n, q, k in zip(encoded, labels["needed"], labels["equals"],
+                                        labels["cues"])]
     elif method == "hybrid":
         a, b, w = HYBRID
         scored = [x if not isinstance(x, ScoredChain) else y if not isinstance(y, ScoredChain)
                   else ScoredChain.from_encoded(e, method, w * zscore(x.scores) + (1 - w) * zscore(
                       np.log(np.maximum(y.scores, 1e-12))))
-                  for e, x, y in zip(encoded, _scored(a, lm, encoded, needed, equals, seed, cache),
-                                     _scored(b, lm, encoded, needed, equals, seed, cache))]
+                  for e, x, y in zip(encoded, _scored(a, lm, encoded, labels, seed, cache),
+                                     _scored(b, lm, encoded, labels, seed, cache))]
     elif method == "mist_alpha":
-        base = _scored("mist_clipped", lm, encoded, needed, equals, seed, cache)
+        base = _scored("mist_clipped", lm, encoded, labels, seed, cache)
         cache["alpha"] = alpha = choose_alpha(lm, encoded[:ALPHA_SLICE], base[:ALPHA_SLICE],
                                               unit=cache["unit"])
         scored = [x if not isinstance(x, ScoredChain) else
