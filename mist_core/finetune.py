@@ -169,14 +169,17 @@ def _load(model: str | LM, trust_remote_code: bool = False):
 def finetune(model: str | LM, records: Iterable[dict], output_dir: str | os.PathLike, *,
              lora: bool = False, lora_rank: int = 16, epochs: float = 1.0,
              learning_rate: float = 2e-5, batch_size: int = 8, max_length: int = 2048,
-             seed: int = 0, log_every: int = 10, trust_remote_code: bool = False) -> Path:
+             seed: int = 0, log_every: int = 10, trust_remote_code: bool = False,
+             gradient_checkpointing: bool = True) -> Path:
     """Fine-tune `model` (a spec load_model reads, or an LM in memory, trained in place) on
     SFT records and save it to `output_dir` (safetensors weights, tokenizer, and
     training.json with the settings and the loss curve). LoRA adapters (rank `lora_rank` on
     every linear layer of the blocks) are merged into the weights before saving, so the
     folder is a plain model either way. Under torch.distributed (Ray Train) every process
     trains its shard and only the first saves. A model folder's own Python code runs only
-    with trust_remote_code. Returns the folder."""
+    with trust_remote_code. gradient_checkpointing (TRL's default) recomputes the blocks'
+    activations in the backward pass: less memory for a large model, about 30% more time
+    (the testbed's tiny models turn it off). Returns the folder."""
     from datasets import Dataset
 
     try:
@@ -208,7 +211,8 @@ def finetune(model: str | LM, records: Iterable[dict], output_dir: str | os.Path
             completion_only_loss=True, packing=False, seed=seed, data_seed=seed,
             logging_steps=log_every, logging_first_step=True, save_strategy="no",
             report_to="none", disable_tqdm=True, dataloader_num_workers=0,
-            use_cpu=not cuda, bf16=cuda and torch.cuda.is_bf16_supported())
+            use_cpu=not cuda, bf16=cuda and torch.cuda.is_bf16_supported(),
+            gradient_checkpointing=gradient_checkpointing)
         trainer = SFTTrainer(model=net, args=args, train_dataset=Dataset.from_list(rows),
                              processing_class=tokenizer, peft_config=peft_config)
         result = trainer.train()
@@ -229,7 +233,8 @@ def finetune(model: str | LM, records: Iterable[dict], output_dir: str | os.Path
                 "settings": {"lora": lora, "lora_rank": lora_rank if lora else None,
                              "epochs": epochs, "learning_rate": learning_rate,
                              "batch_size_per_device": batch_size, "max_length": args.max_length,
-                             "seed": seed}}, indent=2) + "\n")
+                             "seed": seed, "gradient_checkpointing": args.gradient_checkpointing}},
+                indent=2) + "\n")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         if handle is not None:  # back to a scoring/decoding handle: frozen, eval mode

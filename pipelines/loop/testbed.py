@@ -148,7 +148,8 @@ def train_target(tok, problems, sizes: Sizes, seed: int, path: Path):
         records = [sft_prompt_completion(id=p.id, question=p.question, cot=p.cot, answer=p.answer,
                                          budget=1.0) for p in problems]
         finetune(lm, records, path, epochs=sizes.target_epochs, learning_rate=sizes.target_lr,
-                 batch_size=sizes.batch_size, seed=seed, log_every=50)
+                 batch_size=sizes.batch_size, seed=seed, log_every=50,
+                 gradient_checkpointing=False)  # a tiny model: the memory is not worth 30%
     return load_model(str(path))
 
 
@@ -360,7 +361,8 @@ def run_arm(arm: str, target: Path, records: list[dict], test_rows: list[dict], 
     t0 = time.time()
     if not _trained(path):
         finetune(str(target), records, path, epochs=sizes.ft_epochs, learning_rate=sizes.ft_lr,
-                 batch_size=sizes.batch_size, seed=seed, log_every=50)
+                 batch_size=sizes.batch_size, seed=seed, log_every=50,
+                 gradient_checkpointing=False)
     t1 = time.time()
     lm = load_model(str(path))
     budgets = budgets or (EVAL_BUDGETS if arm not in CONTROLS else (1.0,))
