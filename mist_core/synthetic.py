@@ -64,6 +64,7 @@ CHAIN_FILLER = ["Let me keep track.", "That is a lot of {item}.", "Now I check t
 EQUATION = re.compile(r"(\d+) ([-+*]) (\d+) = (\d+)")
 # The verbs of the chain's step narrations (STEP_PHRASES), each naming its question sentence.
 CUE = re.compile(r"\b(?:buys|finds|gives away|gives|loses|sells|doubles|triples)\b")
+START = re.compile(r"\bstarts with \d+")
 
 
 @dataclass(frozen=True)
@@ -213,12 +214,17 @@ def needed_spans(cot: str, steps: Sequence[Step]) -> tuple[list[tuple[int, int]]
 
 
 def cue_spans(cot: str, steps: Sequence[Step]) -> list[tuple[int, int]]:
-    """What a *writer* needs beside the equations: each step's cue, the verb of the
-    narration before its equation (`loses` in `He loses 5, so 40 - 5 = 35`), which points
-    the writer at the question's sentence the step comes from. One span per matched
-    equation whose narration (the text since the previous equation) has a cue verb."""
-    spans, start = [], 0
-    for m in _matched(cot, steps):
+    """What a *writer* needs beside the equations: the start (`starts with 9`, which copies
+    the first value from the question before any equation uses it) and each step's cue, the
+    verb of the narration before its equation (`loses` in `He loses 5, so 40 - 5 = 35`),
+    which points the writer at the question's sentence the step comes from. The start where
+    the chain states it before its first matched equation; one span per matched equation
+    whose narration (the text since the previous equation) has a cue verb."""
+    found = _matched(cot, steps)
+    start = START.search(cot, 0, found[0].start()) if found else None
+    spans = [start.span()] if start else []
+    start = 0
+    for m in found:
         cues = list(CUE.finditer(cot, start, m.start()))
         if cues:
             spans.append(cues[-1].span())

@@ -89,13 +89,14 @@ def test_cue_spans_find_each_steps_verb():
     steps = [Step("-", 5, 9, 4), Step("*", 3, 4, 12), Step("+", 6, 12, 18)]
     cot = ("Cara starts with 9 pens. She loses 5, so 9 - 5 = 4. The number triples, so "
            "4 * 3 = 12. The pens are kept in a box. A friend gives her 6 more, so 12 + 6 = 18.")
-    assert [cot[a:b] for a, b in cue_spans(cot, steps)] == ["loses", "triples", "gives"]
+    assert [cot[a:b] for a, b in cue_spans(cot, steps)] == ["starts with 9", "loses", "triples",
+                                                            "gives"]
     # "gives away" is one cue; a step whose narration has no verb has none
     cot = "She gives away 5, so 9 - 5 = 4. So 4 * 3 = 12."
     assert [cot[a:b] for a, b in cue_spans(cot, steps[:2])] == ["gives away"]
-    # the generator's own chains have one cue per step
+    # the generator's own chains have the start and one cue per step
     for p in make_problems(50, seed=3):
-        assert len(cue_spans(p.cot, p.steps)) == len(p.steps)
+        assert len(cue_spans(p.cot, p.steps)) == 1 + len(p.steps)
 
 
 def test_token_mask_precision_recall():
@@ -202,7 +203,7 @@ def test_oracle_variants_and_controls_prune_as_defined(problems, word_tokenizer)
         assert kept[oracle]["0.5"]["recall"] == 1.0 and kept[oracle]["0.5"]["equals"] == 1.0
     for c in chains:  # oracle_cue keeps each step's cue verb with its equation
         cues = [c["cot"][a:b] for a, b in cue_spans(c["cot"], [Step(*t) for t in c["steps"]])]
-        assert len(cues) == len(c["steps"])
+        assert len(cues) == 1 + len(c["steps"])
         text = compressed["oracle_cue"][c["id"]][0.5]
         at = 0
         for cue in cues:
