@@ -718,6 +718,9 @@ class TestbedConfig(Kit):
                               choices=(None, "sample", "all", "per_budget"), shown="")
     ft_epochs: float | None = setting(None, f"fine-tuning epochs (default {FULL.ft_epochs:g})",
                                       group="recipe", metavar="N", shown="")
+    corpus: int | None = setting(None, f"Phase 0 questions, whose correct chains are the corpus "
+                                 f"every method compresses (default {FULL.phase0})",
+                                 group="recipe", metavar="N", shown="")
     unit: str | None = setting(None, "the pruning unit (default token; numbers are one token "
                                "here)", group="recipe", choices=(None, "token", "word",
                                                                  "equation"), shown="")
@@ -728,7 +731,7 @@ class TestbedConfig(Kit):
                                group="output", metavar="DIR", shown="")
     threads: int = setting(1, "torch threads", group="resources", metavar="N")
 
-    _positive = positive("seeds", "threads")
+    _positive = positive("seeds", "threads", "corpus")
     _methods = field_validator("methods", mode="before")(
         classmethod(lambda cls, v: v if v is None else [str(m) for m in listed(v) if str(m)]))
 
@@ -770,7 +773,7 @@ def run(args: TestbedConfig, argv: list[str] | None) -> int:
     if args.target_per_seed:
         sizes = replace(sizes, shared_target=False)
     recipe = {k: v for k, v in (("mix", args.mix), ("ft_epochs", args.ft_epochs),
-                                ("unit", args.unit)) if v is not None}
+                                ("unit", args.unit), ("phase0", args.corpus)) if v is not None}
     sizes = replace(sizes, **recipe)
     methods = (list(args.methods) if args.methods else
                ["mist", "h2o"] if args.smoke else list(METHODS))
