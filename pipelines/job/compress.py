@@ -14,7 +14,7 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 import ray
@@ -219,53 +219,80 @@ def build(cfg: JobConfig, inputs: list[Input], plan: Plan, existing: Existing,
     return ds.map_batches(stages.prune_batch, batch_format="pyarrow", fn_kwargs={"cfg": cfg})
 
 
-def make_manifest(cfg: JobConfig, *, run_id: str, started: str, inputs: list[Input],
-                  out: Output, model_name: str, gpus: float, plan: Plan, stats: WriteStats,
-                  existing: Existing, totals: dict, run_s: float, total_s: float,
-                  conformed: int = 0, device: str | None = None,
-                  actors: list[dict] | None = None) -> dict:
-    """`actors`: the scoring actors' records (placement.collect), None where they could
-    not be read."""
-    settings = cfg.to_dict()
-    settings["input"] = [i.source for i in inputs]
-    settings["output"] = out.display()
-    counts = {
-        "read": plan.read, "examples": plan.examples, "scored": stats.scored,
-        "rejected": stats.rejected,
-        "already_done": stats.skipped,
-        "rejected_by_reason": dict(sorted(stats.reasons.items())),
-        "rejects_already_recorded": stats.rejected - stats.rejects_written,
-        "written_per_budget": {b: stats.written[b] for b in map(budget_label, cfg.budgets)},
-        "sft_records": stats.sft, "score_rows": stats.score_rows, "files_written": stats.files,
-        "data_files_conformed": conformed,
-    }
-    timings = {"plan_s": round(plan.seconds, 3), "run_s": round(run_s, 3),
-               "total_s": round(total_s, 3), "actor_busy_s": round(stats.score_s, 3)}
-    throughput = {
-        "chains_per_s": round(stats.scored / run_s, 4) if run_s else None,
-        "tokens_per_s": round(stats.tokens / run_s, 2) if run_s else None,
-        "chains_per_actor_s": round(stats.scored / stats.score_s, 4) if stats.score_s else None,
-    }
-    runs = list((existing.manifest or {}).get("runs", []))
-    if existing.done_ids and existing.manifest is None:
-        runs.append({"run_id": None, "note": "output of an unfinished run without manifest, "
-                                             "kept and completed by the next run"})
-    runs.append({"run_id": run_id, "started_at": started, "finished_at": _now(),
-                 "mode": cfg.mode, "input": settings["input"], "counts": counts,
-                 "timings": timings})
-    return {
-        "run_id": run_id, "started_at": started, "finished_at": _now(),
-        "output": out.display(), "config": settings,
-        "model": {"spec": cfg.model, "name": model_name, "dtype": cfg.dtype,
-                  "device": device or placement.resolve_device(cfg.device, gpus),
-                  "gpus_per_actor": gpus,
-                  "cpus_per_actor": cfg.cpus_per_actor, "actors": list(cfg.actors)},
-        "actors": actors,  # where each scoring actor ran and what it did (placement)
-        "versions": runtime.versions(),
-        "counts": counts, "totals": totals, "timings": timings, "throughput": throughput,
-        "data_schema": [{"name": f.name, "type": str(f.type)} for f in data_schema(plan.extras)],
-        "runs": runs,
-    }
+@dataclass
+class Run:
+    """One run of the job, filled in as it goes: what the driver learns (the inputs, the
+    plan, the placement, the counts and timings) is kept here, and the manifest is made
+    from it."""
+    cfg: JobConfig
+    run_id: str
+    started: str
+    t0: float  # perf_counter at the start
+    inputs: list[Input] = field(default_factory=list)
+    out: Output | None = None
+    model_name: str = ""
+    plan: Plan | None = None
+    existing: Existing | None = None
+    gpus: float = 0.0
+    device: str | None = None
+    stats: WriteStats | None = None  # the sink's counts
+    totals: dict = field(default_factory=dict)  # the output read back
+    run_s: float = 0.0  # the scoring and writing
+    conformed: int = 0  # earlier data/ files rewritten with new columns
+    actors: list[dict] | None = None  # the scoring actors' records (placement.collect)
+
+    @classmethod
+    def begin(cls, cfg: JobConfig) -> "Run":
+        run_id = (dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S") + "-"
+                  + uuid.uuid4().hex[:6])
+        return cls(cfg, run_id=run_id, started=_now(), t0=time.perf_counter())
+
+    def manifest(self) -> dict:
+        cfg, plan, stats, out = self.cfg, self.plan, self.stats, self.out
+        settings = cfg.to_dict()
+        settings["input"] = [i.source for i in self.inputs]
+        settings["output"] = out.display()
+        counts = {
+            "read": plan.read, "examples": plan.examples, "scored": stats.scored,
+            "rejected": stats.rejected,
+            "already_done": stats.skipped,
+            "rejected_by_reason": dict(sorted(stats.reasons.items())),
+            "rejects_already_recorded": stats.rejected - stats.rejects_written,
+            "written_per_budget": {b: stats.written[b] for b in map(budget_label, cfg.budgets)},
+            "sft_records": stats.sft, "score_rows": stats.score_rows, "files_written": stats.files,
+            "data_files_conformed": self.conformed,
+        }
+        run_s = self.run_s
+        timings = {"plan_s": round(plan.seconds, 3), "run_s": round(run_s, 3),
+                   "total_s": round(time.perf_counter() - self.t0, 3),
+                   "actor_busy_s": round(stats.score_s, 3)}
+        throughput = {
+            "chains_per_s": round(stats.scored / run_s, 4) if run_s else None,
+            "tokens_per_s": round(stats.tokens / run_s, 2) if run_s else None,
+            "chains_per_actor_s": round(stats.scored / stats.score_s, 4) if stats.score_s else None,
+        }
+        runs = list((self.existing.manifest or {}).get("runs", []))
+        if self.existing.done_ids and self.existing.manifest is None:
+            runs.append({"run_id": None, "note": "output of an unfinished run without manifest, "
+                                                 "kept and completed by the next run"})
+        runs.append({"run_id": self.run_id, "started_at": self.started, "finished_at": _now(),
+                     "mode": cfg.mode, "input": settings["input"], "counts": counts,
+                     "timings": timings})
+        return {
+            "run_id": self.run_id, "started_at": self.started, "finished_at": _now(),
+            "output": out.display(), "config": settings,
+            "model": {"spec": cfg.model, "name": self.model_name, "dtype": cfg.dtype,
+                      "device": self.device or placement.resolve_device(cfg.device, self.gpus),
+                      "gpus_per_actor": self.gpus,
+                      "cpus_per_actor": cfg.cpus_per_actor, "actors": list(cfg.actors)},
+            "actors": self.actors,  # where each scoring actor ran and what it did (placement)
+            "versions": runtime.versions(),
+            "counts": counts, "totals": self.totals, "timings": timings,
+            "throughput": throughput,
+            "data_schema": [{"name": f.name, "type": str(f.type)}
+                            for f in data_schema(plan.extras)],
+            "runs": runs,
+        }
 
 
 def retry_failed_rows(out: Output, plan: Plan, existing: Existing) -> None:
@@ -293,38 +320,37 @@ def run(cfg: JobConfig) -> dict:
     """Run the job and return its manifest. Raises ConfigError for unusable settings or
     input, AccountingError if rows were lost or duplicated, ErrorBudgetExceeded if more rows
     failed than cfg.max_error_share allows (no manifest in the last two cases)."""
-    t0, started = time.perf_counter(), _now()
-    run_id = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+    r = Run.begin(cfg)
     try:
         check_submitted_paths(cfg.input, cfg.output)  # relative paths under `ray job submit`
-        out = Output(cfg.output)
-        inputs = resolve_inputs(cfg.input, cfg.format)
+        r.out = Output(cfg.output)
+        r.inputs = resolve_inputs(cfg.input, cfg.format)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    check_disjoint(inputs, out)
+    check_disjoint(r.inputs, r.out)
     # Load the tokenizer here first: a wrong --model fails now, with a plain message.
     from mist_core.models import check_reachable, resolve
 
     try:
         check_reachable(cfg.model)
-        _, model_name = resolve(cfg.model)
+        _, r.model_name = resolve(cfg.model)
         rows.template_for(cfg.model, cfg.template, cfg.trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConfigError(one_line(f"cannot load the tokenizer of --model {cfg.model}: {e}")
                           ) from None
-    out.check_target()
+    r.out.check_target()
     # One writer per output, from before the first write to after the manifest: a second
     # run refuses here, before it starts Ray (lease.py).
-    held = lease.acquire(out, run_id)
+    held = lease.acquire(r.out, r.run_id)
     try:
-        return _run(cfg, out, inputs, model_name, held, run_id=run_id, t0=t0, started=started)
+        return _run(r, held)
     finally:
         held.release()
 
 
-def _run(cfg: JobConfig, out: Output, inputs: list[Input], model_name: str, held, *,
-         run_id: str, t0: float, started: str) -> dict:
+def _run(r: Run, held) -> dict:
     """run() once the output's lease is held."""
+    cfg, out = r.cfg, r.out
     runtime.init_ray(cfg.address, cfg.actors, cfg.cpus_per_actor, cfg.verbose)
 
     if cfg.mode == "overwrite":
@@ -332,16 +358,16 @@ def _run(cfg: JobConfig, out: Output, inputs: list[Input], model_name: str, held
     removed = out.clean_partial()
     if removed:
         log.info("removed %d files left by an unfinished run", removed)
-    existing = out.load()
-    check_compatible(cfg, model_name, existing, out)
+    r.existing = existing = out.load()
+    check_compatible(cfg, r.model_name, existing, out)
 
-    plan = make_plan(inputs, cfg, existing)
+    r.plan = plan = make_plan(r.inputs, cfg, existing)
     log.info("plan: %d rows read, %d to score, %d already in the output, %d invalid, "
              "%d repeated ids, %d examples in all (%.1fs)", plan.read, plan.to_score, plan.done,
              plan.invalid, plan.duplicates, plan.examples, plan.seconds)
-    gpus = runtime.gpus_per_actor(cfg.gpus_per_actor)
-    device = placement.resolve_device(cfg.device, gpus)  # --device cuda without GPUs: exit 2
-    if gpus > 0 and plan.to_score and not ray.cluster_resources().get("GPU", 0):
+    r.gpus = runtime.gpus_per_actor(cfg.gpus_per_actor)
+    r.device = placement.resolve_device(cfg.device, r.gpus)  # --device cuda without GPUs: exit 2
+    if r.gpus > 0 and plan.to_score and not ray.cluster_resources().get("GPU", 0):
         log.info("no GPU in the cluster yet: the scoring actors wait for the autoscaler to "
                  "add GPU nodes")
 
@@ -351,18 +377,18 @@ def _run(cfg: JobConfig, out: Output, inputs: list[Input], model_name: str, held
     # The tally lets a write task stop the run as soon as the budget is spent. A run with
     # no rows to score, or a budget nothing can exceed, needs no actor: the end check does.
     tally = start_tally() if plan.to_score and budget.allowed < plan.examples else None
-    sink = OutputSink(cfg, fs=out.fs, root=out.root, run_id=run_id, model=model_name,
+    sink = OutputSink(cfg, fs=out.fs, root=out.root, run_id=r.run_id, model=r.model_name,
                       extras=plan.extras, known_rejects=existing.rejects, budget=budget,
                       tally=tally)
     schema = data_schema(plan.extras)
-    conformed = out.conform(schema)  # before the new files: data/ never holds three schemas
-    if conformed:
-        log.info("rewrote %d earlier data/ files with this run's new columns", conformed)
-    stats = placement.start_stats(run_id) if plan.to_score else None  # the actors' records
+    r.conformed = out.conform(schema)  # before the new files: data/ never holds three schemas
+    if r.conformed:
+        log.info("rewrote %d earlier data/ files with this run's new columns", r.conformed)
+    stats = placement.start_stats(r.run_id) if plan.to_score else None  # the actors' records
     t_run = time.perf_counter()
     try:
         with placement.Progress(stats, plan.to_score, cfg.progress_interval):  # [progress]
-            build(cfg, inputs, plan, existing, gpus, device, stats).write_datasink(sink)
+            build(cfg, r.inputs, plan, existing, r.gpus, r.device, stats).write_datasink(sink)
     except Exception as e:
         if tally is not None and any(isinstance(c, ErrorBudgetExceeded) or
                                      "ErrorBudgetExceeded" in str(c) for c in causes(e)):
@@ -372,21 +398,18 @@ def _run(cfg: JobConfig, out: Output, inputs: list[Input], model_name: str, held
     finally:
         if tally is not None:
             ray.kill(tally)
-    run_s = time.perf_counter() - t_run
-    actors = placement.collect(stats)
+    r.run_s = time.perf_counter() - t_run
+    r.actors = placement.collect(stats)
     out.ensure_files({"data": schema, "rejects": REJECT_SCHEMA,
                       **({"scores": SCORES_SCHEMA} if cfg.scores else {})})
     out.write_dataset_info(cfg.sft_format)
 
-    totals = out.totals()
-    reconcile(cfg, plan, sink.stats, existing, totals)
+    r.totals = out.totals()
+    r.stats = sink.stats
+    reconcile(cfg, plan, sink.stats, existing, r.totals)
     if budget.exceeded(sink.stats.failures):  # the whole run's count, before any manifest
         raise ErrorBudgetExceeded(budget.message(sink.stats.failures, sink.stats.first_failure))
-    manifest = make_manifest(cfg, run_id=run_id, started=started, inputs=inputs, out=out,
-                             model_name=model_name, gpus=gpus, plan=plan, stats=sink.stats,
-                             existing=existing, totals=totals, run_s=run_s,
-                             total_s=time.perf_counter() - t0, conformed=conformed,
-                             device=device, actors=actors)
+    manifest = r.manifest()
     held.check()  # the manifest is the lease holder's
     out.write_manifest(manifest)
     return manifest
