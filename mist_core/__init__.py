@@ -1,5 +1,10 @@
 """MIST: model-internal token saliency for chain-of-thought compression.
 
+The library in four layers, each importing only those below it (tests/test_layout.py):
+data (examples, adapters, templates, the job's formats) < scoring (the scorers, their passes
+and memory, pruning) < measures (evaluation, retention, statistics) < distill (generation,
+fine-tuning, the synthetic task); errors, reasons and models sit under all four.
+
 The names that need torch (models, scorers) are imported on first use (PEP 562), so that
 the light modules (data/, reasons, scoring.choices, scoring.prune, measures.answers,
 measures.retention, measures.taxonomy, measures.stats) load without it: `mist report` and
