@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mist_core.stats import bootstrap_indices, ci_mean  # noqa: E402
+from mist_core.measures.stats import bootstrap_indices, ci_mean  # noqa: E402
 from pipelines.evaluation.results import RESULTS, read_records  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """Two ways of running the same long chain, alternating with a plain forward, in one
 process: the plan the scorer picks under a memory cap against another plan given by hand.
 Machine drift hits both alike, so the medians' ratio is what to read. It runs as the job's
-CPU model actors do (mist_core.allocator.cpu_scoring_env), starting itself again with that
+CPU model actors do (mist_core.scoring.allocator.cpu_scoring_env), starting itself again with that
 environment where the shell has not set it.
 
     .venv/bin/python benchmarks/compare_plans.py --tokens 7680 --max-memory 1GB \
@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mist_core import MistScorer, load_model  # noqa: E402
-from mist_core.allocator import cpu_scoring_env  # noqa: E402
-from mist_core.passes import Plan  # noqa: E402
+from mist_core.scoring.allocator import cpu_scoring_env  # noqa: E402
+from mist_core.scoring.passes import Plan  # noqa: E402
 from pipelines.bench.long import long_chain  # noqa: E402
 
 

@@ -7,7 +7,7 @@ Arms (method × unit, every budget):
 - MIST with the paper's signed layer weights, with clipped ones, and H2O, each at
   `subword` (the top ⌈γT⌉ tokens, each token alone: this project's token unit before numbers
   were made whole; SmolLM2 writes a digit a token, so `16` could become `1`) and at
-  mist_core.prune's `token`, `word` and `equation` units (numbers whole in each);
+  mist_core.scoring.prune's `token`, `word` and `equation` units (numbers whole in each);
 - at the job's default unit (`word`): CRISP, MIST with clipped weights and mean ablation,
   and the hybrid 0.5·z(mist clipped) + 0.5·z(log h2o).
 Measures per chain: numbers cut (kept in part), tokens kept, the Eq. 1 drop
@@ -28,11 +28,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mist_core import get_adapter, get_scorer, load_model  # noqa: E402
-from mist_core.evaluation import NOCHAIN, evaluate_chain  # noqa: E402
-from mist_core.prune import EQUATION, NUMBER, UNITS, budget_tokens, cut_numbers, prune_scores  # noqa: E402
-from mist_core.scorer import zscore  # noqa: E402
-from mist_core.stats import bootstrap_indices, ci_mean  # noqa: E402
-from mist_core.templates import get_template  # noqa: E402
+from mist_core.data.templates import get_template  # noqa: E402
+from mist_core.measures.evaluation import NOCHAIN, evaluate_chain  # noqa: E402
+from mist_core.measures.stats import bootstrap_indices, ci_mean  # noqa: E402
+from mist_core.scoring.prune import (EQUATION, NUMBER, UNITS, budget_tokens, cut_numbers,  # noqa: E402
+                                     prune_scores)
+from mist_core.scoring.scorer import zscore  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 SCORERS = {"mist": ("mist", {"layer_weights": "signed"}), "mist_clipped": ("mist", {"layer_weights": "clipped"}),
@@ -141,7 +142,7 @@ def render(result: dict, budgets) -> str:
              f"{head['numbers']} numbers, {head['model']}, {head['seconds']:.0f} s).* "
              "Means over chains with [95% bootstrap intervals]; Eq. 1 retention is the ratio of "
              "sums over chains. `subword` is the old token unit (each token alone); `token`, `word` "
-             "and `equation` are `mist_core.prune`'s units, numbers whole in each.", "",
+             "and `equation` are `mist_core.scoring.prune`'s units, numbers whole in each.", "",
              "| method | unit | γ | numbers cut | tokens kept % | Eq. 1 drop, nats | Eq. 1 retention % "
              "| accuracy % | results kept % | equations kept % |", "|---|---|---|---|---|---|---|---|---|---|"]
     for method, unit in arms(head["units"]):

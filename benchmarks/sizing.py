@@ -1,5 +1,5 @@
 """GPU memory a scoring actor needs, by model shape and chain length, from the scorer's own
-memory model (mist_core.memory): the weights plus what one chain's passes take under the
+memory model (mist_core.scoring.memory): the weights plus what one chain's passes take under the
 recomputed regime (the least the scorer can run a chain in). Per-layer costs are measured on
 a two-layer copy of each shape in bf16 on CPU (the footprint per layer does not depend on
 depth, and the probe needs no GPU), then scaled to the full depth.
@@ -12,8 +12,8 @@ import dataclasses
 
 import torch
 
-from mist_core import memory
-from mist_core.passes import Plan
+from mist_core.scoring import memory
+from mist_core.scoring.passes import Plan
 from pipelines.bench.shapes import SHAPES, random_model
 
 SMOLLM2 = dict(arch="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

@@ -9,11 +9,11 @@ _TEXT_FIELDS = ("question", "cot", "answer", "solution")
 # in one step where a row is rejected (a test checks that each file names its reasons).
 ROWS = "pipelines/common/rows.py"  # a raw corpus row read (the job, the evaluation, the loop)
 STAGES = "pipelines/job/stages.py"  # the job's stages: duplicates, score, prune
-FIELDS = "mist_core/fields.py"  # a row's fields, as the adapters read them
-ADAPTERS = "mist_core/examples.py"  # the adapters: an example's texts
-LONGCOT = "mist_core/longcot.py"  # the long-CoT adapters
-TEMPLATES = "mist_core/templates.py"  # tokenizing in the model's prompt template
-SCORER = "mist_core/scorer.py"
+FIELDS = "mist_core/data/fields.py"  # a row's fields, as the adapters read them
+ADAPTERS = "mist_core/data/examples.py"  # the adapters: an example's texts
+LONGCOT = "mist_core/data/longcot.py"  # the long-CoT adapters
+TEMPLATES = "mist_core/data/templates.py"  # tokenizing in the model's prompt template
+SCORER = "mist_core/scoring/scorer.py"
 WHERE: dict[str, str] = {}
 
 

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from mist_core.tracing import length_batches, similar_lengths
+from mist_core.scoring.tracing import length_batches, similar_lengths
 from pipelines.bench import scorer as bench
 from pipelines.cli import main as mist
 
@@ -88,7 +88,7 @@ def test_pipeline_over_bare_runs_the_job_on_the_same_chains(tmp_path, model_dir)
     """The --pipeline measurement on a tiny model: both sides score every chain."""
     import ray
 
-    from mist_core.demo import demo_corpus
+    from mist_core.data.demo import demo_corpus
     from pipelines.bench.pipeline import pipeline_over_bare
 
     corpus = tmp_path / "gsm8k.jsonl"

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from mist_core import InvalidExample
-from mist_core.formats import DATA_COLUMNS, EXTRA_PREFIX
+from mist_core.data.formats import DATA_COLUMNS, EXTRA_PREFIX
 from pipelines.common.rows import parse_examples
 
 ROW = {"id": "a", "question": "What is 2 + 2?", "cot": "2 + 2 = 4.", "answer": "4"}

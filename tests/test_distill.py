@@ -1,6 +1,6 @@
 """The distillation loop: prompts, decoding, solving, summaries and fine-tuning on tiny models
-(mist_core.generation, mist_core.finetune), then `mist generate` → `mist compress` →
-`mist train` (in-process and under Ray Train) → `mist solve` end to end."""
+(mist_core.distill.generation, mist_core.distill.finetune), then `mist generate` →
+`mist compress` → `mist train` (in-process and under Ray Train) → `mist solve` end to end."""
 from __future__ import annotations
 
 import json
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from conftest import make_model
-from mist_core import generation as G
-from mist_core.formats import directive, sft_messages, sft_prompt_completion
+from mist_core.data.formats import directive, sft_messages, sft_prompt_completion
+from mist_core.data.templates import ANSWER_LEAD
+from mist_core.distill import generation as G
 from mist_core.models import wrap_model
-from mist_core.templates import ANSWER_LEAD
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ ROWS = [{"id": "a", "question": "What is 2 + 2?", "answer": "4"},
 
 
 def test_sample_chains_rows(lm):
-    from mist_core.answers import answer_correct
+    from mist_core.measures.answers import answer_correct
 
     out = G.sample_chains(lm, ROWS, k=3, style="gsm8k", max_new_tokens=10, seed=0)
     assert [r["id"] for r in out] == ["a#0", "a#1", "a#2", "b#0", "b#1", "b#2"]
@@ -214,7 +214,7 @@ def test_summarize():
 
 
 def demo_records(n: int = 6, fmt=sft_prompt_completion) -> list[dict]:
-    from mist_core.demo import demo_corpus
+    from mist_core.data.demo import demo_corpus
 
     budgets = (1.0, 0.5)
     return [fmt(id=r["id"], question=r["question"], cot=r["cot"], answer=str(r["answer"]),
@@ -234,7 +234,7 @@ def test_training_examples_start_with_the_decoding_prompt(tokenizer, tmp_path, c
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from mist_core.finetune import training_record
+    from mist_core.distill.finetune import training_record
 
     tok = tokenizer if chat else plain_tokenizer(tokenizer)
     records = demo_records(4) + demo_records(2, sft_messages)
@@ -258,7 +258,7 @@ def test_read_sft_jsonl_and_parquet(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from mist_core.finetune import read_sft
+    from mist_core.distill.finetune import read_sft
 
     recs = demo_records(4)
     (tmp_path / "out" / "sft").mkdir(parents=True)
@@ -273,7 +273,7 @@ def test_read_sft_jsonl_and_parquet(tmp_path):
 
 def test_finetune_in_memory_lowers_the_loss_and_saves_a_loadable_model(tokenizer, tmp_path):
     from mist_core import load_model
-    from mist_core.finetune import completion_loss, finetune
+    from mist_core.distill.finetune import completion_loss, finetune
 
     records = demo_records(6)
     lm = wrap_model(make_model("llama", len(tokenizer), seed=1), tokenizer, "fresh")
@@ -296,7 +296,7 @@ def test_finetune_in_memory_lowers_the_loss_and_saves_a_loadable_model(tokenizer
 
 def test_finetune_lora_from_a_folder_merges_the_adapters(model_dir, tmp_path):
     from mist_core import load_model
-    from mist_core.finetune import completion_loss, finetune
+    from mist_core.distill.finetune import completion_loss, finetune
 
     records = demo_records(6, sft_messages)
     base = load_model(str(model_dir))
@@ -318,7 +318,7 @@ def test_finetune_lora_from_a_folder_merges_the_adapters(model_dir, tmp_path):
 
 
 def test_finetune_without_a_chat_template(tokenizer, tmp_path):
-    from mist_core.finetune import completion_loss, finetune
+    from mist_core.distill.finetune import completion_loss, finetune
 
     tok = plain_tokenizer(tokenizer)
     lm = wrap_model(make_model("llama", len(tok), seed=2), tok, "plain")
@@ -340,7 +340,7 @@ QUESTIONS = [("q1", "What is 3 + 4?", "3 + 4 = 7.", "7"),
 
 @pytest.fixture(scope="module")
 def teacher(tokenizer, tmp_path_factory):
-    from mist_core.finetune import finetune
+    from mist_core.distill.finetune import finetune
 
     records = [sft_prompt_completion(id=i, question=q, cot=c, answer=a, budget=1.0)
                for i, q, c, a in QUESTIONS]
@@ -375,7 +375,7 @@ def mist(*argv) -> int:
 @pytest.mark.integration
 def test_generate_compress_train_solve(local_ray, teacher, questions, tmp_path, capsys):
     from mist_core import load_model
-    from mist_core.answers import answer_correct
+    from mist_core.measures.answers import answer_correct
 
     gen, comp = tmp_path / "gen", tmp_path / "comp"
     assert mist("generate", "--input", questions, "--model", teacher, "--k", 3,
@@ -431,7 +431,7 @@ def test_train_on_two_ray_train_workers(local_ray, teacher, tmp_path):
     """--workers 2: the same fine-tuning under Ray Train's TorchTrainer on CPU (gloo), each
     worker on its shard; rank 0's model is the checkpoint copied to --output."""
     from mist_core import load_model
-    from mist_core.finetune import completion_loss
+    from mist_core.distill.finetune import completion_loss
 
     sft = tmp_path / "sft.jsonl"
     records = [sft_prompt_completion(id=i, question=q, cot=c, answer=a, budget=b)

@@ -26,7 +26,7 @@ import yaml
 
 from conftest import loopback_ray
 from pipelines.cli import COMMANDS
-from mist_core.demo import demo_corpus
+from mist_core.data.demo import demo_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 GUIDE = REPO / "docs" / "guide"

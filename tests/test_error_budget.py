@@ -22,9 +22,9 @@ import torch
 from conftest import make_model
 from mist_core import InvalidExample, MistScorer, NonFiniteScores, get_scorer
 from mist_core import reasons
-from mist_core.formats import REJECT_SCHEMA
+from mist_core.data.formats import REJECT_SCHEMA
 from mist_core.models import wrap_model
-from mist_core.scorer import combine, zscore
+from mist_core.scoring.scorer import combine, zscore
 from pipelines.job.compress import parse_args
 from pipelines.common.settings import ConfigError
 from pipelines.job.output import Output

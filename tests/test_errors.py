@@ -94,7 +94,7 @@ def test_every_reason_the_code_names_is_declared():
 
     root = Path(__file__).resolve().parents[1]
     named = set()
-    for path in [*root.glob("mist_core/*.py"), *root.glob("pipelines/**/*.py")]:
+    for path in [*root.glob("mist_core/**/*.py"), *root.glob("pipelines/**/*.py")]:
         text = path.read_text(encoding="utf-8")
         named |= set(re.findall(r'InvalidExample\(\s*"(\w+)"', text))
         named |= set(re.findall(r'^(?:[A-Z_]+) = "(\w+)"  # ', text, re.M)) & set(FAILURES)

@@ -1,5 +1,5 @@
-"""The evaluation harness's measures (mist_core.evaluation, .answers, .taxonomy), each
-checked on cases whose answer is known by construction or against an independent plain
+"""The evaluation harness's measures (mist_core.measures: evaluation, answers, taxonomy),
+each checked on cases whose answer is known by construction or against an independent plain
 computation."""
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ import pytest
 import torch
 
 from mist_core import Example, MistScorer, prune, wrap_model
-from mist_core.answers import answer_correct, intermediate_results, math_spans, normalize_math
-from mist_core.evaluation import (NOCHAIN, answer_passes, compressed_input, evaluate_chain,
-                                  positional_scores, stop_tokens)
-from mist_core.retention import ChainProfile, pack_mask, unpack_mask
-from mist_core.stats import (bootstrap_indices, ci_mean, ci_ratio, exact_agreement, spearman,
-                             top_overlap)
-from mist_core.scorer import shared_prefix
-from mist_core.taxonomy import TYPES, token_types
+from mist_core.measures.answers import (answer_correct, intermediate_results, math_spans,
+                                        normalize_math)
+from mist_core.measures.evaluation import (NOCHAIN, answer_passes, compressed_input, evaluate_chain,
+                                           positional_scores, stop_tokens)
+from mist_core.measures.retention import ChainProfile, pack_mask, unpack_mask
+from mist_core.measures.stats import (bootstrap_indices, ci_mean, ci_ratio, exact_agreement,
+                                      spearman, top_overlap)
+from mist_core.measures.taxonomy import TYPES, token_types
+from mist_core.scoring.scorer import shared_prefix
 
 
 def word_offsets(text: str) -> np.ndarray:
@@ -279,7 +280,7 @@ def copy_lm(tokenizer):
     only that token carries the answer, so every measure's value is known."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from mist_core.templates import get_template
+    from mist_core.data.templates import get_template
 
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -360,8 +361,8 @@ def test_one_token_carries_the_answer(copy_lm):
 def test_greedy_likelihood_drops_the_cheapest_unit_first(tiny_lm, examples):
     """Each step of greedy likelihood pruning removes the token whose removal leaves Eq. 1
     highest, checked step by step against answer_passes' teacher-forced log-likelihoods."""
-    from mist_core.evaluation import answer_log_likelihoods, greedy_likelihood
-    from mist_core.prune import budget_tokens
+    from mist_core.measures.evaluation import answer_log_likelihoods, greedy_likelihood
+    from mist_core.scoring.prune import budget_tokens
 
     scorer = MistScorer(tiny_lm)
     enc = scorer.encode(examples[0])

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mist_core import MistScorer
-from mist_core.exact import exact_scores
+from mist_core.scoring.exact import exact_scores
 
 
 def test_zero_size_intervention_changes_nothing(tiny_lm64, examples):

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from mist_core import Example, InvalidExample, MistScorer, get_adapter, get_template
-from mist_core.examples import last_boxed, stable_id
+from mist_core.data.examples import last_boxed, stable_id
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 

@@ -16,7 +16,7 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
-from mist_core.demo import demo_corpus
+from mist_core.data.demo import demo_corpus
 
 pytestmark = pytest.mark.integration  # the job in subprocesses, on their own Ray
 

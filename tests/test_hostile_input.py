@@ -23,9 +23,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 from conftest import loopback_ray
-from mist_core.demo import demo_corpus
-from mist_core.examples import stable_id
-from mist_core.formats import extra_value, kinds_type, value_kind
+from mist_core.data.demo import demo_corpus
+from mist_core.data.examples import stable_id
+from mist_core.data.formats import extra_value, kinds_type, value_kind
 from pipelines.job import compress
 from pipelines.common import storage
 from pipelines.job.config import JobConfig

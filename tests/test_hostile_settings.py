@@ -184,7 +184,7 @@ def _mist(*argv) -> int:
 
 
 def _sft_file(tmp_path) -> Path:
-    from mist_core.formats import sft_prompt_completion
+    from mist_core.data.formats import sft_prompt_completion
 
     path = tmp_path / "sft.jsonl"
     path.write_text(json.dumps(sft_prompt_completion(
@@ -217,7 +217,7 @@ def test_train_on_records_that_are_not_sft_is_one_line_before_the_model(tmp_path
 
 
 def test_train_refuses_an_earlier_model_unless_asked_to_overwrite(tmp_path, capsys, monkeypatch):
-    from mist_core import finetune as F
+    from mist_core.distill import finetune as F
     from pipelines.loop import base as loop
 
     trained = []
@@ -250,7 +250,7 @@ def test_train_refuses_an_earlier_model_unless_asked_to_overwrite(tmp_path, caps
 
 
 def test_a_failed_training_leaves_the_earlier_model(tmp_path, monkeypatch):
-    from mist_core import finetune as F
+    from mist_core.distill import finetune as F
     from pipelines.loop import base as loop
 
     def broken(model, records, out, **options):

@@ -58,15 +58,15 @@ def test_max_memory_rejects_only_what_cannot_fit_alone(local_ray, model_dir, tmp
 
 
 def test_cpu_model_actors_start_with_huge_page_allocation(local_ray, monkeypatch):
-    """A CPU model actor's process starts with mist_core.allocator.CPU_SCORING_ENV, so torch's
-    first allocation already reads it: a large CPU tensor's mapping is advised to take huge
-    pages (`hg` among its VmFlags in /proc/self/smaps; the flag comes from a kernel with
+    """A CPU model actor's process starts with mist_core.scoring.allocator.CPU_SCORING_ENV, so
+    torch's first allocation already reads it: a large CPU tensor's mapping is advised to take
+    huge pages (`hg` among its VmFlags in /proc/self/smaps; the flag comes from a kernel with
     transparent huge pages, as Linux distributions build it)."""
     import ray
 
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)  # the driver's value would win
 
-    from mist_core import allocator
+    from mist_core.scoring import allocator
     from pipelines.common import runtime
 
     class Probe:  # defined here so that Ray ships it by value

@@ -14,9 +14,9 @@ import pytest
 
 from conftest import loopback_ray, make_model
 from mist_core import InvalidExample, get_adapter, get_template
-from mist_core.examples import stable_id
-from mist_core.longcot import split_thinking
-from mist_core.templates import ANSWER_LEAD, ChatTemplate, ThinkTemplate
+from mist_core.data.examples import stable_id
+from mist_core.data.longcot import split_thinking
+from mist_core.data.templates import ANSWER_LEAD, ChatTemplate, ThinkTemplate
 from pipelines.job import compress
 from pipelines.common import storage
 from pipelines.common.rows import parse_examples, parse_row

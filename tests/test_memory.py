@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from mist_core import InvalidExample, MistScorer, allocator
-from mist_core.baselines import GoGIScorer
-from mist_core.allocator import CPU_SCORING_ENV, cpu_scoring_env
-from mist_core.memory import Footprint, measure, parse_bytes
-from mist_core.passes import Plan
+from mist_core import InvalidExample, MistScorer
+from mist_core.scoring import allocator
+from mist_core.scoring.allocator import CPU_SCORING_ENV, cpu_scoring_env
+from mist_core.scoring.baselines import GoGIScorer
+from mist_core.scoring.memory import Footprint, measure, parse_bytes
+from mist_core.scoring.passes import Plan
 from pipelines.bench.scorer import synthetic_encoded
 from reference import first_order
 
@@ -94,13 +95,14 @@ def test_long_chains_every_regime_agrees_with_the_reference_fp32(monkeypatch):
     length in one batch: every regime agrees with the independent computation to 1e-5 of
     each field's scale, with the recomputed MLP run in pieces of 64 positions (32 a chain)
     and with every second state kept."""
-    import mist_core.attention as attention
-    import mist_core.passes as passes
-    import mist_core.tracing as tracing
+    import mist_core.scoring.attention as attention
+    import mist_core.scoring.passes as passes
+    import mist_core.scoring.tracing as tracing
 
     monkeypatch.setattr(passes, "MLP_POSITIONS", 64)
     monkeypatch.setitem(tracing.BATCH_OVERHEAD, "cpu", 10**6)  # the two chains in one batch
-    # and each attention backward split in two calls of the fused kernel (mist_core.attention)
+    # and each attention backward split in two calls of the fused kernel
+    # (mist_core.scoring.attention)
     monkeypatch.setattr(attention, "SPLIT_FROM", 64)
     monkeypatch.setattr(attention, "_evener", lambda units, threads: True)
     kernel, stacked = attention._fused_backward, []  # calls over pieces stacked as batch rows
@@ -154,7 +156,7 @@ def test_gogi_recomputed_equals_stored(tiny_lm64, examples):
 
 
 def test_the_cap_picks_recomputation_only_where_needed(tiny_lm, monkeypatch):
-    from mist_core import passes
+    from mist_core.scoring import passes
 
     monkeypatch.setattr(passes, "MLP_POSITIONS", 16)  # pieces shorter than the chain
     encs = synthetic_encoded(4, 60, vocab=300, seed=2)
@@ -380,7 +382,7 @@ def test_need_grows_with_positions():
     assert kept[1] - kept[0] == pytest.approx(fp.OVERHEAD * 100 * 6.0)
     assert kept[2] == pytest.approx(kept[0] + 9 * (kept[1] - kept[0])) == kept[3]
     # with the MLP in pieces a recomputed pass holds one piece, whatever its length
-    from mist_core.passes import MLP_POSITIONS
+    from mist_core.scoring.passes import MLP_POSITIONS
     n = 4 * MLP_POSITIONS
     pieces = Plan(recompute=True, mlp_pieces=True)
     assert fp.need(n, pieces) < fp.need(n, recomputed)
@@ -389,7 +391,7 @@ def test_need_grows_with_positions():
 
 
 def test_mlp_pieces_give_the_same_numbers_and_leave_the_model_as_it_was(tiny_lm):
-    from mist_core.passes import chunked_mlp
+    from mist_core.scoring.passes import chunked_mlp
 
     mlp, other = tiny_lm.blocks[0].mlp, tiny_lm.blocks[1].mlp
     own = lambda x: type(mlp).forward(mlp, x)  # noqa: E731  (as a hook library sets one)
@@ -414,8 +416,8 @@ def test_kept_attention_gives_the_same_numbers_bit_for_bit(monkeypatch):
     the numbers of one that recomputes them, and its reruns do skip attention: the kept
     blocks run the fused kernel once in the forward and never again. Afterwards the model
     is on SDPA again. Where a pass has a mask (a prefix cache) nothing is kept."""
-    import mist_core.attention as attention
-    import mist_core.tracing as tracing
+    import mist_core.scoring.attention as attention
+    import mist_core.scoring.tracing as tracing
 
     monkeypatch.setitem(tracing.BATCH_OVERHEAD, "cpu", 10**6)  # the two chains in one batch
     lm = long_model("qwen2", dtype=torch.float32)
@@ -464,7 +466,7 @@ def test_a_split_attention_backward_equals_the_kernels(monkeypatch, batch, heads
     small ones over the last 1-3 positions, where the length does not divide by 4) give the
     gradients of the one call over the whole, grouped heads or not; where the pieces share
     out evenly over the threads the kernel runs once, as it is."""
-    from mist_core import attention
+    from mist_core.scoring import attention
 
     monkeypatch.setattr(attention, "SPLIT_FROM", 2)
     g = torch.Generator().manual_seed(positions)
@@ -497,7 +499,7 @@ def test_an_attention_backward_runs_only_the_live_rows(monkeypatch, batch, posit
     """Where most query positions have a zero output gradient (a last block, whose output
     reaches only the answer's logits), only the others run, split or not, and the
     gradients are the whole kernel's."""
-    from mist_core import attention
+    from mist_core.scoring import attention
 
     monkeypatch.setattr(attention, "SPLIT_FROM", 64)
     g = torch.Generator().manual_seed(positions)
@@ -531,7 +533,7 @@ def test_an_attention_backward_runs_only_the_live_rows(monkeypatch, batch, posit
 def test_live_rows_are_the_first_and_last_rows_that_are_not_zero():
     """Whether the ends settle it (the first row live and the last live one among the last
     TAIL) or the whole is read: the same rows as a plain scan."""
-    from mist_core import attention
+    from mist_core.scoring import attention
 
     g = torch.Generator().manual_seed(11)
     tail = attention.TAIL
@@ -587,7 +589,7 @@ def test_a_rerun_does_not_compute_the_unread_projection(monkeypatch, arch):
 
 
 def test_kept_attention_only_where_it_applies(tiny_lm, monkeypatch):
-    from mist_core import attention
+    from mist_core.scoring import attention
 
     assert attention.keepable(tiny_lm)
     with attention.cpu_attention(tiny_lm, 0) as kept:  # attention here, nothing kept

@@ -1,4 +1,4 @@
-"""The RMSNorm with a backward of its own (mist_core.norms): the forward of transformers'
+"""The RMSNorm with a backward of its own (mist_core.scoring.norms): the forward of transformers'
 norms bit for bit, their derivative, and the passes that use it."""
 import contextlib
 
@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from mist_core import MistScorer, norms
-from mist_core.passes import Plan
+from mist_core import MistScorer
+from mist_core.scoring import norms
+from mist_core.scoring.passes import Plan
 from pipelines.bench.scorer import synthetic_encoded
 
 
@@ -95,7 +96,7 @@ def test_both_passes_use_it_with_autograds_numbers(monkeypatch, calls, tiny_lm, 
     # one; a recomputed source pass through the reruns of blocks L..2 and the final norm
     assert len(calls) == (2 * L + 1) + ((2 * (L - 1) + 1) if plan.recompute else (2 * L + 1))
 
-    monkeypatch.setattr("mist_core.passes.fused_norms", lambda lm: contextlib.nullcontext())
+    monkeypatch.setattr("mist_core.scoring.passes.fused_norms", lambda lm: contextlib.nullcontext())
     plain = forced(MistScorer(tiny_lm, share_prefix=False, layer_weights="signed"), plan).score_encoded(encs)
     for a, b in zip(fused, plain):
         for name in FIELDS:  # to 1e-5 of each field's largest value

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from conftest import loopback_ray
-from mist_core.demo import demo_corpus
-from mist_core.formats import (DATA_COLUMNS, REJECT_SCHEMA, directive, llamafactory_entry,
-                               sft_records)
+from mist_core.data.demo import demo_corpus
+from mist_core.data.formats import (DATA_COLUMNS, REJECT_SCHEMA, directive, llamafactory_entry,
+                                    sft_records)
 from pipelines.job import compress
 from pipelines.job.config import JobConfig
 from pipelines.common.settings import validate

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import make_model
-from mist_core.demo import demo_corpus
+from mist_core.data.demo import demo_corpus
 from s3_server import free_ports
 from test_docs import block, commands
 

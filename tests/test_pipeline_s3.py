@@ -15,8 +15,8 @@ import pytest
 
 from conftest import loopback_ray
 from mist_core import Example, get_template, prune
-from mist_core.formats import DATA_COLUMNS, directive
-from mist_core.demo import demo_corpus
+from mist_core.data.demo import demo_corpus
+from mist_core.data.formats import DATA_COLUMNS, directive
 from pipelines.job import compress
 from pipelines.common import storage
 from pipelines.common.settings import ConfigError, validate

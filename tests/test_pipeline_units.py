@@ -11,10 +11,10 @@ import pyarrow as pa
 import pytest
 
 from mist_core import get_adapter
-from mist_core.demo import demo_corpus
-from mist_core.formats import (budget_label, data_rows, data_schema, directive, extra_name,
-                               extra_value, fits, kinds_type, pick_budget, sft_messages,
-                               sft_records, sft_tokenskip, value_kind)
+from mist_core.data.demo import demo_corpus
+from mist_core.data.formats import (budget_label, data_rows, data_schema, directive, extra_name,
+                                    extra_value, fits, kinds_type, pick_budget, sft_messages,
+                                    sft_records, sft_tokenskip, value_kind)
 from pipelines.common import storage
 from pipelines.cli import main as cli_main
 from pipelines.job.compress import AccountingError, Plan, reconcile

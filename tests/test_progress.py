@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pyarrow as pa
 import pytest
 
-from mist_core.demo import demo_corpus
+from mist_core.data.demo import demo_corpus
 from pipelines.job import compress
 from pipelines.common import runtime, sources, storage
 from pipelines.job import placement, stages

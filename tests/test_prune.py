@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from mist_core import Example, MistScorer, get_adapter, prune
-from mist_core.prune import (NUMBER, UNITS, budget_tokens, cut_numbers, merge_spans, prune_scores,
-                             pruning_units, token_pieces, word_units)
+from mist_core.scoring.prune import (NUMBER, UNITS, budget_tokens, cut_numbers, merge_spans,
+                                     prune_scores, pruning_units, token_pieces, word_units)
 
 
 def _is_subsequence(kept: str, original: str) -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mist_core.formats import sft_prompt_completion
+from mist_core.data.formats import sft_prompt_completion
 from pipelines.loop import base as loop
 from pipelines.common import rows
 from pipelines.common.errors import ConfigError

@@ -87,7 +87,7 @@ def test_clipping_every_layer_away_leaves_the_signed_weights():
     position: the paper's signed weights stand instead."""
     import torch
 
-    from mist_core.scorer import eq7
+    from mist_core.scoring.scorer import eq7
 
     terms = np.array([[1.0, -2.0, 3.0], [0.5, 0.0, -1.0], [0.0, 0.0, 0.0]])
     for cbar, clipped in (([-1.0, -0.5, 3.0], [-1.25, -2.0, -3.5]),  # signed: nothing left

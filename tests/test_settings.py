@@ -84,7 +84,7 @@ def test_settings_are_frozen_whole_values():
 
 
 def test_layer_weights_are_the_scorers_and_mist_only():
-    from mist_core.choices import LAYER_WEIGHTS
+    from mist_core.scoring.choices import LAYER_WEIGHTS
 
     assert JobConfig.model_fields["layer_weights"].json_schema_extra["choices"] == LAYER_WEIGHTS
     assert JobConfig().layer_weights == "clipped"  # the project's default, not the paper's
@@ -131,10 +131,10 @@ def test_a_refresh_keeps_the_layer_weights_of_the_output():
 
 
 def test_one_builder_makes_every_registered_scorer(tiny_lm):
-    """mist_core.registry.Scoring builds each registered method, from Python and from the
+    """mist_core.scoring.registry.Scoring builds each registered method, from Python and from the
     job's settings (JobConfig.scoring), with the options that method takes and no other."""
     from mist_core import MissingDependency, scorer_names
-    from mist_core.registry import Scoring
+    from mist_core.scoring.registry import Scoring
 
     built = 0
     for name in scorer_names():

@@ -13,8 +13,8 @@ import pyarrow as pa
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from mist_core.demo import demo_corpus
-from mist_core.formats import DATA_SCHEMA, REJECT_SCHEMA, data_rows
+from mist_core.data.demo import demo_corpus
+from mist_core.data.formats import DATA_SCHEMA, REJECT_SCHEMA, data_rows
 from pipelines.job import show
 from pipelines.common import storage
 from pipelines.cli import main as mist

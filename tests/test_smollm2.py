@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mist_core import MistScorer, get_adapter, get_scorer, load_model, prune
-from mist_core.exact import exact_scores_encoded
+from mist_core.scoring.exact import exact_scores_encoded
 from reference import first_order
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]

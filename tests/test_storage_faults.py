@@ -20,7 +20,7 @@ import ray
 
 from conftest import loopback_ray
 from fault_proxy import FaultProxy
-from mist_core.demo import demo_corpus
+from mist_core.data.demo import demo_corpus
 from pipelines.job import compress
 from pipelines.job.config import JobConfig
 from pipelines.common.settings import validate

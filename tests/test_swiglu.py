@@ -1,4 +1,4 @@
-"""The gated MLP product that keeps two tensors instead of three (mist_core.swiglu): the
+"""The gated MLP product that keeps two tensors instead of three (mist_core.scoring.swiglu): the
 forward and the backward of transformers' MLPs bit for bit, the memory it saves, and the
 passes that use it."""
 import contextlib
@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from mist_core import MistScorer, swiglu
-from mist_core.memory import saved_bytes
-from mist_core.passes import Plan
+from mist_core import MistScorer
+from mist_core.scoring import swiglu
+from mist_core.scoring.memory import saved_bytes
+from mist_core.scoring.passes import Plan
 from pipelines.bench.scorer import synthetic_encoded
 
 
@@ -94,7 +95,7 @@ def test_every_pass_uses_it_with_autograds_numbers(monkeypatch, calls, tiny_lm, 
     where the MLP runs in pieces), and the scores are autograd's to the last bit."""
     from test_memory import FIELDS, forced
 
-    monkeypatch.setattr("mist_core.passes.MLP_POSITIONS", 16)
+    monkeypatch.setattr("mist_core.scoring.passes.MLP_POSITIONS", 16)
     encs = synthetic_encoded(2, 30, vocab=300, seed=4)
     fused = forced(MistScorer(tiny_lm, share_prefix=False), plan).score_encoded(encs)
     L = tiny_lm.n_layers
@@ -105,7 +106,8 @@ def test_every_pass_uses_it_with_autograds_numbers(monkeypatch, calls, tiny_lm, 
     # recomputed one through the reruns of blocks L..2
     assert len(calls) == L + (pieces * (L - 1) if plan.recompute else L)
 
-    monkeypatch.setattr("mist_core.passes.fused_swiglu", lambda lm: contextlib.nullcontext())
+    monkeypatch.setattr("mist_core.scoring.passes.fused_swiglu",
+                        lambda lm: contextlib.nullcontext())
     plain = forced(MistScorer(tiny_lm, share_prefix=False), plan).score_encoded(encs)
     for a, b in zip(fused, plain):
         for name in FIELDS:
@@ -115,7 +117,7 @@ def test_every_pass_uses_it_with_autograds_numbers(monkeypatch, calls, tiny_lm, 
 def test_the_footprint_counts_the_mlp_as_the_passes_run_it(tiny_lm):
     """memory.measure's MLP share is the fused MLP's: a stored pass's blocks hold gate(x) and
     up(x) a position, and so does the share the planner takes off a block for MLP pieces."""
-    from mist_core import memory
+    from mist_core.scoring import memory
 
     fp = memory.measure(tiny_lm)
     config = tiny_lm.model.config

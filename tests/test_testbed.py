@@ -9,9 +9,9 @@ import re
 import numpy as np
 import pytest
 
-from mist_core.synthetic import (EQUATION, MAX_VALUE, Step, apply, build_tokenizer, cue_spans,
-                                 make_problem, make_problems, needed_spans, precision_recall,
-                                 tiny_llama, token_mask, vocabulary_texts)
+from mist_core.distill.synthetic import (EQUATION, MAX_VALUE, Step, apply, build_tokenizer,
+                                         cue_spans, make_problem, make_problems, needed_spans,
+                                         precision_recall, tiny_llama, token_mask, vocabulary_texts)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_token_mask_precision_recall():
 
 
 def test_tokenizer_round_trips_and_numbers_are_one_token(problems, word_tokenizer):
-    from mist_core.formats import sft_turns
+    from mist_core.data.formats import sft_turns
 
     tok = word_tokenizer
     for p in problems[:50]:
@@ -133,9 +133,9 @@ def test_pruned_chains_tokenize_to_the_kept_tokens(problems, word_tokenizer):
     """What a method keeps is what the fine-tuned model is taught to write: the kept
     pieces, re-tokenized, are the kept tokens."""
     from mist_core import Example, prune
+    from mist_core.data.templates import get_template
     from mist_core.models import wrap_model
-    from mist_core.scorer import ScoredChain
-    from mist_core.templates import get_template
+    from mist_core.scoring.scorer import ScoredChain
 
     tok = word_tokenizer
     lm = wrap_model(tiny_llama(tok, layers=2, hidden=32), tok)
@@ -190,8 +190,8 @@ def test_oracle_variants_and_controls_prune_as_defined(problems, word_tokenizer)
     """score_and_prune on generator chains with an untrained target: the oracle keeps the
     ground truth, head the first tokens, the hybrid is its two z-scores' mean, mist_alpha
     takes an α of the grid, and the equation unit keeps equations whole."""
+    from mist_core.distill.synthetic import EQUATION as STEP
     from mist_core.models import wrap_model
-    from mist_core.synthetic import EQUATION as STEP
     from pipelines.loop.testbed import ALPHAS, score_and_prune
 
     lm = wrap_model(tiny_llama(word_tokenizer, layers=2, hidden=32), word_tokenizer, "t")
@@ -222,9 +222,9 @@ def test_oracle_variants_and_controls_prune_as_defined(problems, word_tokenizer)
                                [1 / 3, 1 / 2, 1, 1 / 2, 1 / 3, 1 / 2, 1])
     assert not _nearness(np.zeros(3, bool)).any()
     # the hybrid from the two scorings it combines
-    from mist_core.examples import Example
-    from mist_core.scorer import zscore
-    from mist_core.templates import get_template
+    from mist_core.data.examples import Example
+    from mist_core.data.templates import get_template
+    from mist_core.scoring.scorer import zscore
     from pipelines.loop.testbed import _scored
 
     template = get_template("auto", lm.tokenizer, lm.max_length)

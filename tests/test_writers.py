@@ -21,7 +21,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from mist_core.demo import demo_corpus
+from mist_core.data.demo import demo_corpus
 from pipelines.job import compress
 from pipelines.common.errors import AccountingError, OutputBusy
 from pipelines.job import lease

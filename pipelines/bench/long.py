@@ -32,7 +32,7 @@ def long_chain(lm, n_tokens: int, corpus: Path = TRAIN):
     if lm.tokenizer is None:  # a random-weight model: token ids are all it needs
         import numpy as np
 
-        from mist_core.templates import Encoded
+        from mist_core.data.templates import Encoded
 
         rng = np.random.default_rng(n_tokens)
         prefix, chain, lead, answer = (rng.integers(0, lm.unembedding.shape[0], n)
@@ -197,7 +197,7 @@ def sweep(args, save=None) -> dict:
     the result so far after each length, so a sweep cut off by a time limit keeps its rows."""
     env = dict(os.environ)
     if torch.device(args.device).type == "cpu":  # as the job's CPU actors run
-        from mist_core.allocator import cpu_scoring_env
+        from mist_core.scoring.allocator import cpu_scoring_env
 
         env.update(cpu_scoring_env())
     rows = []

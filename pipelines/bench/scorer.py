@@ -22,11 +22,12 @@ import numpy as np
 import torch
 from pydantic import field_validator
 
-from mist_core import Example, MistScorer, allocator, get_adapter, load_model
-from mist_core.exact import exact_scores_encoded
-from mist_core.scorer import shared_prefix
-from mist_core.templates import Encoded
-from mist_core.tracing import pad
+from mist_core import Example, MistScorer, get_adapter, load_model
+from mist_core.data.templates import Encoded
+from mist_core.scoring import allocator
+from mist_core.scoring.exact import exact_scores_encoded
+from mist_core.scoring.scorer import shared_prefix
+from mist_core.scoring.tracing import pad
 
 from ..common import exits, settings
 from ..common.errors import ConfigError

@@ -46,7 +46,7 @@ def tiny_model(path: Path) -> Path:
 
 def corpus(path: Path, n: int, bad_every: int) -> tuple[int, int]:
     """n demo rows, plus one malformed line after every `bad_every` rows (0: none)."""
-    from mist_core.demo import demo_corpus
+    from mist_core.data.demo import demo_corpus
 
     bad = 0
     with open(path, "w") as f:

@@ -8,8 +8,8 @@ import functools
 import json
 
 from mist_core import InvalidExample, get_adapter
-from mist_core.examples import Example
-from mist_core.formats import extra_name
+from mist_core.data.examples import Example
+from mist_core.data.formats import extra_name
 
 from .errors import ConfigError
 
@@ -140,8 +140,8 @@ def template_for(model: str, template: str, trust_remote_code: bool = False):
     Tokenizing needs no weights, so CPU tasks load only the tokenizer and config."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from mist_core.data.templates import get_template
     from mist_core.models import resolve
-    from mist_core.templates import get_template
 
     source, _ = resolve(model)
     try:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import ray
 
-from mist_core import allocator
+from mist_core.scoring import allocator
 
 from . import faults
 
@@ -148,7 +148,7 @@ def gpus_per_actor(setting: float | None) -> float:
 
 def actor_resources(cpus_per_actor: float, gpus: float) -> dict:
     """A model actor's Ray options: its CPUs and GPUs, and on a CPU the allocator settings
-    scoring there wants from the start of the process (mist_core.allocator.cpu_scoring_env:
+    scoring there wants from the start of the process (mist_core.scoring.allocator.cpu_scoring_env:
     this process's environment wins; Ray merges them into the job's runtime environment)."""
     if gpus > 0:
         return {"num_cpus": cpus_per_actor, "num_gpus": gpus}

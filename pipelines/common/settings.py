@@ -15,10 +15,10 @@ from typing import Any, Callable
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mist_core.adapters import ADAPTERS
-from mist_core.choices import ALPHA, OPTIONS
-from mist_core.formats import SFT_ALIASES
-from mist_core.templates import TEMPLATES
+from mist_core.data.adapters import ADAPTERS
+from mist_core.data.formats import SFT_ALIASES
+from mist_core.data.templates import TEMPLATES
+from mist_core.scoring.choices import ALPHA, OPTIONS
 
 from .errors import ConfigError
 

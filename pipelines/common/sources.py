@@ -169,8 +169,8 @@ def hf_table(uri: str, input_idx: int) -> pa.Table:
 
 
 def demo_table(spec: str, input_idx: int) -> pa.Table:
-    """`demo`, `demo:N` or `demo:N:seed=S`: the built-in corpus (mist_core.demo)."""
-    from mist_core.demo import demo_corpus
+    """`demo`, `demo:N` or `demo:N:seed=S`: the built-in corpus (mist_core.data.demo)."""
+    from mist_core.data.demo import demo_corpus
 
     m = _DEMO.match(spec)
     if not m:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import field_validator
 
-from mist_core.prune import UNITS
+from mist_core.scoring.prune import UNITS
 
 from ..common.errors import ConfigError
 from ..common.settings import Settings, listed, positive, setting, shown

@@ -27,7 +27,7 @@ import pyarrow as pa
 import ray
 
 from mist_core.errors import InvalidExample, MissingDependency
-from mist_core.taxonomy import TYPES
+from mist_core.measures.taxonomy import TYPES
 
 from ..common import exits, runtime
 from ..common.rows import parse_row, template_for
@@ -60,7 +60,7 @@ class EvalActor:
         import torch
 
         from mist_core import load_model
-        from mist_core.registry import Scoring
+        from mist_core.scoring.registry import Scoring
 
         self.cfg = cfg
         if device == "cpu":
@@ -105,10 +105,10 @@ class EvalActor:
         return pa.table({"record": [json.dumps(r, ensure_ascii=False) for r in records]})
 
     def _evaluate(self, todo: list) -> None:
-        from mist_core.answers import style_for
-        from mist_core.evaluation import evaluate_chain
-        from mist_core.retention import pack_mask
-        from mist_core.stats import spearman, top_overlap
+        from mist_core.measures.answers import style_for
+        from mist_core.measures.evaluation import evaluate_chain
+        from mist_core.measures.retention import pack_mask
+        from mist_core.measures.stats import spearman, top_overlap
 
         encs = [enc for _, enc, _ in todo]
         scored, seconds = {}, {}
@@ -144,9 +144,9 @@ class EvalActor:
 
     def _variants(self, enc, s, scored: dict) -> dict:
         """name -> kept mask for every method and budget, plus the two ends."""
-        from mist_core.prune import prune_scores
-        from mist_core.evaluation import NOCHAIN, positional_scores
-        from mist_core.scorer import combine, eq7
+        from mist_core.measures.evaluation import NOCHAIN, positional_scores
+        from mist_core.scoring.prune import prune_scores
+        from mist_core.scoring.scorer import combine, eq7
 
         scores = {"mist": s.scores, "necessity": combine(s.necessity, None, self.cfg.alpha),
                   "sufficiency": combine(None, s.sufficiency, self.cfg.alpha)}
@@ -158,7 +158,7 @@ class EvalActor:
         scores.update({n: positional_scores(enc.chain_len, n) for n in POSITIONAL})
         out = {}
         if "greedy_ll" in self.cfg.methods:
-            from mist_core.evaluation import greedy_likelihood
+            from mist_core.measures.evaluation import greedy_likelihood
 
             for g, kept in greedy_likelihood(self.lm, enc, self.cfg.budgets).items():
                 out[variant_name("greedy_ll", g)] = kept
@@ -175,8 +175,8 @@ class EvalActor:
 
     def _exact(self, enc, s) -> dict:
         """First-order (the scoring above) vs exact interventions at the chosen layers."""
-        from mist_core.stats import exact_agreement
-        from mist_core.exact import exact_scores_encoded
+        from mist_core.measures.stats import exact_agreement
+        from mist_core.scoring.exact import exact_scores_encoded
 
         layers = self.exact_layers
         nec, suf = exact_scores_encoded(self.lm, enc, layers=layers)

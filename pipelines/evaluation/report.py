@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-from mist_core.answers import answer_correct
-from mist_core.retention import ChainProfile, unpack_mask
-from mist_core.stats import bootstrap_indices, ci_mean, ci_ratio
-from mist_core.formats import budget_label
-from mist_core.taxonomy import TYPE_LABELS, TYPES
+from mist_core.data.formats import budget_label
+from mist_core.measures.answers import answer_correct
+from mist_core.measures.retention import ChainProfile, unpack_mask
+from mist_core.measures.stats import bootstrap_indices, ci_mean, ci_ratio
+from mist_core.measures.taxonomy import TYPE_LABELS, TYPES
 
 from ..common import exits
 from ..common.settings import Kit, parse, positive, setting

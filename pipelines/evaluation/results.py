@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from mist_core.formats import budget_label
+from mist_core.data.formats import budget_label
 
 # One MIST scoring gives all four: mist and its two axes with the paper's signed layer
 # weights, and mist_clipped, MistScorer's and `mist compress`'s default (max(c̄_l, 0)).

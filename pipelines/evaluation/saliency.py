@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mist_core.formats import budget_label
-from mist_core.prune import UNITS
+from mist_core.data.formats import budget_label
+from mist_core.scoring.prune import UNITS
 
 from ..common import exits, page
 from ..common.errors import ConfigError
@@ -50,8 +50,8 @@ def chain_view(lm, ex, budgets: list[float], alpha: float = 0.6, unit: str = "to
     """Everything the picture shows: token pieces, the three scores as within-chain
     percentiles (what the shading encodes) and raw, and each budget's kept mask."""
     from mist_core import MistScorer, prune
-    from mist_core.prune import token_pieces
-    from mist_core.scorer import combine
+    from mist_core.scoring.prune import token_pieces
+    from mist_core.scoring.scorer import combine
 
     scorer = MistScorer(lm, alpha=alpha, template=template)
     enc = scorer.encode(ex)

@@ -20,8 +20,8 @@ import pyarrow as pa
 import ray
 
 from mist_core import reasons
-from mist_core.formats import (DATA_COLUMNS, REJECT_SCHEMA, SCORES_SCHEMA, budget_label,
-                               data_schema, fits, kinds_type, sft_budgets, sft_format_name)
+from mist_core.data.formats import (DATA_COLUMNS, REJECT_SCHEMA, SCORES_SCHEMA, budget_label,
+                                    data_schema, fits, kinds_type, sft_budgets, sft_format_name)
 
 from ..common import exits, rows, runtime, storage
 from . import lease, placement, stages

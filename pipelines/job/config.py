@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pydantic import field_validator
 
-from mist_core.choices import LAYER_WEIGHTS, OPTIONS
-from mist_core.formats import SFT_FORMATS, SFT_MIXES, sft_format_name
-from mist_core.prune import UNITS
+from mist_core.data.formats import SFT_FORMATS, SFT_MIXES, sft_format_name
+from mist_core.scoring.choices import LAYER_WEIGHTS, OPTIONS
+from mist_core.scoring.prune import UNITS
 
 from ..common.errors import ConfigError
 from ..common.settings import (DEVICES, MIST_FAMILY, RemoteCode, Settings, auto_or, positive,
@@ -103,7 +103,7 @@ class JobConfig(Settings, RemoteCode):
     @field_validator("max_memory", mode="before")
     @classmethod
     def _max_memory(cls, v):
-        from mist_core.memory import parse_bytes
+        from mist_core.scoring.memory import parse_bytes
 
         try:  # parse_bytes reads a size's text or a number of bytes
             size = auto_or(v, lambda x: parse_bytes(x if isinstance(x, (int, str)) else str(x)))
@@ -114,9 +114,9 @@ class JobConfig(Settings, RemoteCode):
         return size
 
     def scoring(self):
-        """The mist_core.registry.Scoring these settings name: the one translation of the
+        """The mist_core.scoring.registry.Scoring these settings name: the one translation of the
         job's settings into a scorer (`cfg.scoring().scorer(lm)`)."""
-        from mist_core.registry import Scoring
+        from mist_core.scoring.registry import Scoring
 
         taken = OPTIONS.get(self.method, ())
         return Scoring(method=self.method, template=self.template, max_tokens=self.batch_tokens,

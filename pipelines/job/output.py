@@ -13,7 +13,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from mist_core.formats import DATA_COLUMNS, LLAMAFACTORY_NAME, budget_label, llamafactory_entry
+from mist_core.data.formats import DATA_COLUMNS, LLAMAFACTORY_NAME, budget_label, llamafactory_entry
 
 from ..common import storage
 from ..common.errors import ConfigError

@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from mist_core.formats import DATA_COLUMNS, budget_label
+from mist_core.data.formats import DATA_COLUMNS, budget_label
 
 from ..common import exits, page, storage
 from ..common.settings import Kit, parse, positive, setting

@@ -25,8 +25,8 @@ import ray
 from ray.data.block import BlockAccessor
 from ray.data.datasource import Datasink
 
-from mist_core.formats import (REJECT_SCHEMA, SCORES_SCHEMA, budget_label, data_rows,
-                               data_schema, sft_records)
+from mist_core.data.formats import (REJECT_SCHEMA, SCORES_SCHEMA, budget_label, data_rows,
+                                    data_schema, sft_records)
 from mist_core.reasons import FAILURE_REASONS
 
 from ..common import storage

@@ -17,9 +17,9 @@ import pyarrow as pa
 
 from mist_core import (Example, InvalidExample, NonFiniteScores, load_model,
                        reasons)
-from mist_core.formats import value_kind
-from mist_core.prune import prune_scores, token_pieces
-from mist_core.templates import Encoded
+from mist_core.data.formats import value_kind
+from mist_core.data.templates import Encoded
+from mist_core.scoring.prune import prune_scores, token_pieces
 
 from ..common import faults
 from . import placement
@@ -36,7 +36,7 @@ STREAM_SCHEMA = pa.schema([
     ("raw", pa.string()),  # the input row as text, kept for rejects only
     ("id", pa.string()), ("question", pa.string()), ("cot", pa.string()),
     ("answer", pa.string()), ("extra", pa.string()),  # extra input columns, a JSON object
-    # tokenized (validate stage); see mist_core.templates.Encoded
+    # tokenized (validate stage); see mist_core.data.templates.Encoded
     ("source_ids", _ints), ("chain_start", pa.int64()), ("chain_len", pa.int64()),
     ("answer_start", pa.int64()), ("target_ids", _ints), ("target_final", pa.int64()),
     ("chain_offsets", _ints), ("n_tokens", pa.int64()),

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import pyarrow as pa
 import ray
 
+from mist_core.data.examples import stable_id
+from mist_core.data.fields import row_id
 from mist_core.errors import InvalidExample
-from mist_core.examples import stable_id
-from mist_core.fields import row_id
 
 from ..common import exits, runtime, storage
 from ..common.rows import parse_examples, remote_code_refused
@@ -203,7 +203,7 @@ class Questions(Replicas, Corpus, RemoteCode):
 
 
 def style_of(style: str, adapter: str) -> str:
-    from mist_core.answers import style_for
+    from mist_core.measures.answers import style_for
 
     return style_for(adapter) if style == "auto" else style
 

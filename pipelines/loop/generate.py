@@ -54,7 +54,7 @@ class SampleActor:
                        max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from mist_core.generation import sample_chains
+        from mist_core.distill.generation import sample_chains
 
         return pa.Table.from_pylist(sample_chains(self.lm, batch.to_pylist(), **self.kw),
                                     schema=SAMPLE_SCHEMA)
@@ -82,7 +82,7 @@ def choose_engine(engine: str, gpus: float) -> str:
 def vllm_requests(questions: list[dict], tokenizer, *, k: int, seed: int) -> list[dict]:
     """One row per (question, sample): the question row, the sample's index and seed, and
     its prompt as text and token ids (generation.prompt_text's, encoded as generate does)."""
-    from mist_core.generation import encode_prompt, render_prompt, row_seed, user_turn
+    from mist_core.distill.generation import encode_prompt, render_prompt, row_seed, user_turn
 
     out = []
     for q in questions:
@@ -103,7 +103,7 @@ def vllm_request(row: dict, *, temperature: float, top_p: float, max_new_tokens:
 def vllm_sample(row: dict, *, style: str, max_new_tokens: int) -> dict:
     """The processor's output row as a judged sample. vLLM stops at the model's
     end-of-sequence token, so a completion shorter than max_new_tokens finished."""
-    from mist_core.generation import Completion, sample_record
+    from mist_core.distill.generation import Completion, sample_record
 
     n = int(row["num_generated_tokens"])
     return sample_record(row, int(row["sample"]),

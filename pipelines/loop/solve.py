@@ -40,7 +40,7 @@ class SolveActor:
         self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from mist_core.generation import solve
+        from mist_core.distill.generation import solve
 
         rows = batch.to_pylist()
         by_id = {r["id"]: r for r in rows}
@@ -54,7 +54,7 @@ class SolveActor:
 
 
 def run(args: SolveConfig) -> int:
-    from mist_core.generation import summarize, summary_table
+    from mist_core.distill.generation import summarize, summary_table
     from mist_core.models import resolve
 
     t0 = time.perf_counter()

@@ -1,5 +1,5 @@
 """The downstream testbed: which compression trains the better model, on a generated task
-whose needed chain tokens are known (mist_core/synthetic.py).
+whose needed chain tokens are known (mist_core/distill/synthetic.py).
 
 Per seed, in this process (no Ray; a few tiny models on a CPU):
   1. problems: the target's training set, the Phase 0 questions and the test set;
@@ -104,7 +104,7 @@ class Sizes:
     # "all", every chain at every γ (three times the records); "per_budget", one model per
     # pruned γ on that γ's chains alone (γ = 1.0: the full-chain control).
     mix: str = "sample"
-    unit: str = "token"  # the pruning unit (mist_core.prune.UNITS)
+    unit: str = "token"  # the pruning unit (mist_core.scoring.prune.UNITS)
     shortest_k: int = 4  # samples per Phase 0 question for the shortest-of-k control
     batch_size: int = 16
     temperature: float = 0.7  # Phase 0 sampling
@@ -137,10 +137,10 @@ def _trained(path: Path) -> bool:
 def train_target(tok, problems, sizes: Sizes, seed: int, path: Path):
     """The target: a fresh tiny Llama trained on the generator's full chains (no
     directive), or the one a previous run saved."""
-    from mist_core.finetune import finetune
-    from mist_core.formats import sft_prompt_completion
+    from mist_core.data.formats import sft_prompt_completion
+    from mist_core.distill.finetune import finetune
+    from mist_core.distill.synthetic import tiny_llama
     from mist_core.models import load_model, wrap_model
-    from mist_core.synthetic import tiny_llama
 
     if not _trained(path):
         lm = wrap_model(tiny_llama(tok, layers=sizes.layers, hidden=sizes.hidden, seed=seed), tok,
@@ -156,7 +156,7 @@ def train_target(tok, problems, sizes: Sizes, seed: int, path: Path):
 def phase0(lm, problems, sizes: Sizes, seed: int, path: Path, k: int = 1) -> list[dict]:
     """The target's own chains for the Phase 0 questions (k samples each), with the
     problem's steps carried along for labelling."""
-    from mist_core.generation import sample_chains
+    from mist_core.distill.generation import sample_chains
 
     if path.is_file():
         return json.loads(path.read_text())
@@ -189,11 +189,12 @@ def score_and_prune(lm, chains: list[dict], methods, seed: int, unit: str = "tok
     """Every method's compressed chains ({method: {chain id: {γ: text}}}) and what they
     keep against the ground truth ({method: {γ: {precision, recall, n}}}: means over the
     chains whose every step the labeller found)."""
+    from mist_core.data.examples import Example
+    from mist_core.data.templates import get_template
+    from mist_core.distill.synthetic import (Step, cue_spans, needed_spans, precision_recall,
+                                             token_mask)
     from mist_core.errors import InvalidExample
-    from mist_core.examples import Example
-    from mist_core.prune import prune
-    from mist_core.synthetic import Step, cue_spans, needed_spans, precision_recall, token_mask
-    from mist_core.templates import get_template
+    from mist_core.scoring.prune import prune
 
     template = get_template("auto", lm.tokenizer, lm.max_length)
     encoded, needed, labelled, equals, cues = [], [], [], [], []
@@ -246,9 +247,9 @@ def _scored(method: str, lm, encoded, labels: dict, seed: int, cache: dict) -> l
     """One method's ScoredChains (or InvalidExample per chain it could not score); scorings
     that another method reuses are kept in `cache`. `labels`: the ground truth's token masks
     per chain ("needed", the `=` signs "equals", the step cues "cues"), for the oracles."""
-    from mist_core.evaluation import positional_scores
-    from mist_core.registry import Scoring
-    from mist_core.scorer import ScoredChain, combine, zscore
+    from mist_core.measures.evaluation import positional_scores
+    from mist_core.scoring.registry import Scoring
+    from mist_core.scoring.scorer import ScoredChain, combine, zscore
 
     if method in cache:
         return cache[method]
@@ -306,9 +307,9 @@ def _nearness(anchor: np.ndarray) -> np.ndarray:
 def choose_alpha(lm, encoded, scored, budget: float = 0.5, unit: str = "token") -> float:
     """The α of ALPHAS whose pruned chains at `budget` keep the most of Eq. 1 (the mean
     log p(a | x, c') over the chains): chosen per model, on its own chains, no labels."""
-    from mist_core.evaluation import compressed_input, answer_passes
-    from mist_core.prune import prune
-    from mist_core.scorer import ScoredChain, combine, shared_prefix
+    from mist_core.measures.evaluation import compressed_input, answer_passes
+    from mist_core.scoring.prune import prune
+    from mist_core.scoring.scorer import ScoredChain, combine, shared_prefix
 
     totals = dict.fromkeys(ALPHAS, 0.0)
     for enc, sc in zip(encoded, scored):
@@ -328,8 +329,8 @@ def arm_records(arm: str, chains: list[dict], compressed: dict | None, seed: int
                 mix: str = "sample", shortest: dict | None = None) -> list[dict]:
     """The SFT records of one arm: a method's mixture, or a control. `shortest`: each
     question's shortest correct chain of k samples (the shortest_of_k control)."""
-    from mist_core.formats import sft_prompt_completion, sft_records
-    from mist_core.templates import ANSWER_LEAD
+    from mist_core.data.formats import sft_prompt_completion, sft_records
+    from mist_core.data.templates import ANSWER_LEAD
 
     out = []
     for c in chains:
@@ -354,8 +355,8 @@ def run_arm(arm: str, target: Path, records: list[dict], test_rows: list[dict], 
             seed: int, path: Path, budgets=None) -> dict:
     """Fine-tune a fresh copy of the target on the arm's records and answer the test set
     under each of `budgets` (default: EVAL_BUDGETS, a control 1.0 alone)."""
-    from mist_core.finetune import finetune
-    from mist_core.generation import solve
+    from mist_core.distill.finetune import finetune
+    from mist_core.distill.generation import solve
     from mist_core.models import load_model
 
     t0 = time.time()
@@ -384,7 +385,7 @@ def run_per_budget(arm: str, target: Path, chains: list[dict], compressed: dict,
                    test_rows: list[dict], sizes: Sizes, seed: int, root: Path, full: dict) -> dict:
     """The per-budget recipe: one model per pruned γ, trained on that γ's chains alone
     (directive in the prompt) and answering under it; γ = 1.0 is the full-chain control."""
-    from mist_core.formats import sft_prompt_completion
+    from mist_core.data.formats import sft_prompt_completion
 
     out = {"records": 0, "train_seconds": 0.0, "solve_seconds": 0.0,
            "budgets": {"1.0": full["budgets"]["1.0"]}}
@@ -401,8 +402,8 @@ def run_per_budget(arm: str, target: Path, chains: list[dict], compressed: dict,
 
 def run_seed(seed: int, sizes: Sizes, methods, work: Path, tok) -> dict:
     """Everything of one seed; what is stored under work/seed<N> is reused."""
-    from mist_core.generation import solve
-    from mist_core.synthetic import make_problems
+    from mist_core.distill.generation import solve
+    from mist_core.distill.synthetic import make_problems
 
     root = work / f"seed{seed}"
     root.mkdir(parents=True, exist_ok=True)
@@ -601,7 +602,7 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
         "",
         "## Setup",
         "",
-        f"- Task (`mist_core/synthetic.py`): word problems with "
+        f"- Task (`mist_core/distill/synthetic.py`): word problems with "
         f"{'–'.join(map(str, sorted(set(sizes.n_steps))))} chained +, −, × steps on "
         f"small integers, filler sentences and distractor facts with numbers of their own. "
         f"Ground truth: the operands, operator and result of each step's equation in the "
@@ -766,8 +767,8 @@ def run(args: TestbedConfig, argv: list[str] | None) -> int:
 
     datasets.disable_progress_bars()  # TRL maps each arm's records: one bar per map
     torch.set_num_threads(args.threads)
+    from mist_core.distill.synthetic import build_tokenizer, vocabulary_texts
     from mist_core.models import cache_root
-    from mist_core.synthetic import build_tokenizer, vocabulary_texts
 
     sizes = SMOKE if args.smoke else FULL
     if args.target_per_seed:

@@ -36,7 +36,7 @@ TRAINING_OPTIONS = ("lora", "lora_rank", "epochs", "learning_rate", "batch_size"
 def read_records(uris: list[str]) -> list[dict]:
     """The SFT records of every --sft (an output folder, its sft/, or files; local, s3://,
     gs://), in order, each checked to be one (before any model loads)."""
-    from mist_core.finetune import read_sft, record_turns
+    from mist_core.distill.finetune import read_sft, record_turns
 
     records = []
     for uri in uris:
@@ -65,7 +65,7 @@ def train_worker(config: dict) -> None:
     import ray.train
     import torch
 
-    from mist_core.finetune import REPORT, finetune
+    from mist_core.distill.finetune import REPORT, finetune
 
     torch.set_num_threads(max(1, int(config["threads"])))
     rank = ray.train.get_context().get_world_rank()
@@ -116,7 +116,7 @@ def check_output(out: Path, overwrite: bool) -> None:
     """--output must be a new or empty folder, or, with --overwrite, a model `mist train`
     saved (its training.json): never a folder of other files, and never an earlier model
     replaced unasked."""
-    from mist_core.finetune import REPORT
+    from mist_core.distill.finetune import REPORT
 
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output {out} is a file: give a folder")
@@ -143,7 +143,7 @@ def replace_folder(stage: Path, out: Path) -> None:
 
 
 def run(args: TrainConfig) -> int:
-    from mist_core.finetune import REPORT, finetune
+    from mist_core.distill.finetune import REPORT, finetune
 
     t0 = time.perf_counter()
     out = Path(args.output)

@@ -1,5 +1,5 @@
 """How much memory a scoring pass takes, measured once per model, the cap "auto" means, and
-how an out-of-memory error is told apart (mist_core.allocator keeps or gives back what the
+how an out-of-memory error is told apart (mist_core.scoring.allocator keeps or gives back what the
 passes free).
 
 The footprint of a pass is proportional to the token positions it computes. It is measured
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .models import LM
+from ..models import LM
 
 if TYPE_CHECKING:
     from .passes import Plan
@@ -55,7 +55,7 @@ class Footprint:
         attention outputs, plus one block's saved activations and its temporaries, which
         bound the gradients in flight (a block's backward frees each saved tensor once it
         is used: on SmolLM2 at 4k tokens the block's share of the measured peak was 37 KB
-        a token against 29 KB saved, before mist_core.swiglu). With `mlp_pieces` the
+        a token against 29 KB saved, before mist_core.scoring.swiglu). With `mlp_pieces` the
         MLP's part is counted once per pass, for one piece (in `need`), not per position."""
         if not plan.recompute:
             return self.stored + 2 * self.block + self.transient + self.mlp_transient

@@ -8,7 +8,7 @@ from typing import Sequence
 import numpy as np
 from scipy.stats import rankdata, spearmanr
 
-from .prune import budget_tokens
+from ..scoring.prune import budget_tokens
 
 def ranks(x: np.ndarray) -> np.ndarray:
     """Ranks 1..n, ties getting their mean rank."""

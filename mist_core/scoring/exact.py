@@ -11,9 +11,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .examples import Example
-from .models import LM
-from .templates import Encoded, get_template
+from ..data.examples import Example
+from ..data.templates import Encoded, get_template
+from ..models import LM
 from .tracing import pad, run_base, span_logprobs, trace
 
 

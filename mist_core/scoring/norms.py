@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .models import LM
+from ..models import LM
 from .tracing import transformers_classes, wrapped_forwards
 
 

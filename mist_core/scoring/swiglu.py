@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .models import LM
+from ..models import LM
 from .tracing import transformers_classes, wrapped_forwards
 
 # transformers' gated MLP classes whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x))

@@ -294,8 +294,8 @@ def vocabulary_texts(budgets: Sequence[float] = (0.5, 0.6, 0.7, 0.8, 0.9)) -> li
     """Texts that hold every piece the task writes: a fixed sample of problems (which, at
     this size, uses every phrase of the generator), the phrase lists themselves, the
     directives of the budgets and the answer line."""
-    from .formats import directive
-    from .templates import ANSWER_LEAD
+    from ..data.formats import directive
+    from ..data.templates import ANSWER_LEAD
 
     texts = []
     for p in make_problems(2000, seed=12345, prefix="v"):

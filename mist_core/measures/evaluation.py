@@ -27,12 +27,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..data.templates import Encoded
+from ..models import LM
+from ..scoring.scorer import shared_prefix
+from ..scoring.tracing import cache_kwarg, pad, run_base, wide
 from .answers import answer_correct
-from .models import LM
 from .retention import ChainProfile
-from .scorer import shared_prefix
-from .templates import Encoded
-from .tracing import cache_kwarg, pad, run_base, wide
 
 NOCHAIN = None  # the `kept` of the no-chain input [x; a]
 
@@ -260,7 +260,7 @@ def answer_log_likelihoods(lm: LM, inputs: Sequence[tuple[np.ndarray, np.ndarray
                            batch_size: int = 32) -> np.ndarray:
     """Eq. 1 alone, log p(answer | prompt), for each (prompt, answer) pair: teacher-forced,
     no decoding, in batches of `batch_size` with right padding."""
-    from .tracing import span_logprobs
+    from ..scoring.tracing import span_logprobs
 
     out = []
     for i in range(0, len(inputs), batch_size):
@@ -278,7 +278,7 @@ def greedy_likelihood(lm: LM, enc: Encoded, budgets: Sequence[float], drop: int 
     """Greedy likelihood pruning (arXiv 2601.03066), an expensive upper reference for the
     evaluation: from the whole chain, repeatedly drop the unit whose removal costs Eq. 1
     least, `drop` units a step, until each budget's ⌈γT⌉ is met. Units are the token unit
-    of mist_core.prune (numbers whole), so a budget may end a few tokens under ⌈γT⌉.
+    of mist_core.scoring.prune (numbers whole), so a budget may end a few tokens under ⌈γT⌉.
 
     Args:
         lm: the model Eq. 1 is measured with.
@@ -291,7 +291,7 @@ def greedy_likelihood(lm: LM, enc: Encoded, budgets: Sequence[float], drop: int 
     Returns:
         {γ: kept mask, bool [T]}.
     """
-    from .prune import budget_tokens, pruning_units
+    from ..scoring.prune import budget_tokens, pruning_units
 
     units = pruning_units(enc.example.cot, enc.chain_offsets, "token")
     kept = np.ones(enc.chain_len, dtype=bool)

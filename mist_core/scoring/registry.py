@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .models import LM
+from ..models import LM
 from .choices import ABLATIONS, ALPHA, LAYER_WEIGHTS, OPTIONS
 from .scorer import MistScorer, Scorer
 

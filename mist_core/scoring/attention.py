@@ -14,7 +14,7 @@ without a graph so that a recomputed pass's rerun of a block skips its attention
 - Live rows. A model's last block reaches only the answer's logits, so its output gradient
   is zero at every other position; its backward runs only the answer's queries: one of the L - 1
   attention backwards of a pass, nearly free.
-- Kept outputs. A recomputed backward (mist_core.passes) runs each block twice: once
+- Kept outputs. A recomputed backward (mist_core.scoring.passes) runs each block twice: once
   without a graph to get the states, once with one just before the block's own backward.
   On long chains attention is most of that rerun (on SmolLM2 at 4k tokens, 5.1 of an
   11.2-s forward). Its backward needs only the queries, keys and values, which the rerun
@@ -38,7 +38,7 @@ from contextvars import ContextVar
 
 import torch
 
-from .models import LM
+from ..models import LM
 
 _fused = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _fused_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward",

@@ -22,9 +22,9 @@ from typing import Iterable
 
 import torch
 
-from .errors import MissingDependency
+from ..errors import MissingDependency
+from ..models import LM
 from .generation import encode_prompt, has_chat_template, render_prompt
-from .models import LM
 
 log = logging.getLogger(__name__)
 REPORT = "training.json"  # written beside the weights: settings and the loss curve
@@ -160,7 +160,7 @@ def _load(model: str | LM, trust_remote_code: bool = False):
         model.model.requires_grad_(True)  # load_model/wrap_model freeze it for scoring
         model.model.train()
         return model.model, model.tokenizer, model
-    from .models import load_model
+    from ..models import load_model
 
     lm = load_model(model, for_training=True, trust_remote_code=trust_remote_code)
     return lm.model, lm.tokenizer, None

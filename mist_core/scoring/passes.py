@@ -9,14 +9,15 @@
   checkpointed (the MLP is position-wise, and its intermediate width is most of a block's
   activations), and then only every k-th state is kept through the backward. Where the
   memory cap leaves room, the forward also keeps the attention output of the top blocks,
-  whose reruns then skip attention (mist_core.attention). Nothing reads a rerun's output,
+  whose reruns then skip attention (mist_core.scoring.attention). Nothing reads a rerun's output,
   only its backward, so in the models of UNREAD_DOWN_PROJ the rerun does not compute the
   MLP's last projection (unread_down_proj).
 
-On a CPU both run their causal attention through mist_core.attention, whose backward keeps
-every thread busy; on any device both run transformers' RMSNorms with their derivative in
-closed form (mist_core.norms), a few passes over the states where autograd's takes a dozen,
-and the gated MLPs' product keeping two of the three tensors autograd would (mist_core.swiglu).
+On a CPU both run their causal attention through mist_core.scoring.attention, whose backward
+keeps every thread busy; on any device both run transformers' RMSNorms with their derivative in
+closed form (mist_core.scoring.norms), a few passes over the states where autograd's takes a
+dozen, and the gated MLPs' product keeping two of the three tensors autograd would
+(mist_core.scoring.swiglu).
 On a CPU a stored pass leaves what it frees in the process for the next one
 (allocator.keep_freed), where a recomputed pass gives it back first (freed_to_the_system).
 
@@ -33,7 +34,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from . import allocator, attention
-from .models import LM
+from ..models import LM
 from .norms import fused_norms
 from .swiglu import fused_swiglu
 from .tracing import _hidden, run_base, span_logprobs, trace, wrapped_forwards
@@ -51,7 +52,7 @@ class Plan:
     every k-th h^(l) (`keep_every`). Each step takes less memory and more time. A
     recomputed pass may keep the attention output of its top `attention_kept` blocks from
     the forward without a graph, for one state's memory per block and position, so that
-    their reruns skip attention (mist_core.attention)."""
+    their reruns skip attention (mist_core.scoring.attention)."""
 
     recompute: bool = False
     mlp_pieces: bool = False

@@ -11,11 +11,11 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from .errors import MissingDependency
-from .models import LM
+from ..data.templates import Encoded
+from ..errors import MissingDependency
+from ..models import LM
 from .passes import Plan, residual_pass
 from .scorer import BackpropScorer, ScoredChain, Scorer
-from .templates import Encoded
 from .tracing import pad, run_base, span_logprobs
 
 

@@ -21,11 +21,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .answers import answer_correct
-from .examples import last_boxed
-from .formats import sft_turns
-from .models import LM
-from .templates import ANSWER_LEAD
+from ..data.examples import last_boxed
+from ..data.formats import sft_turns
+from ..data.templates import ANSWER_LEAD
+from ..measures.answers import answer_correct
+from ..models import LM
 
 
 # ---------------------------------------------------------------- prompts
@@ -264,7 +264,7 @@ def summarize(solved: Sequence[dict], *, n_boot: int = 2000, seed: int = 0) -> l
     the shares finished and answered on a `The answer is ` line, and the achieved compression (mean chain tokens at γ ÷ at γ = 1.0,
     over the ids answered at both, with a paired bootstrap interval: the same draws of ids
     for both means) beside the requested γ. Compression is None without γ = 1.0 results."""
-    from .stats import bootstrap_indices, ci_mean, ci_ratio
+    from ..measures.stats import bootstrap_indices, ci_mean, ci_ratio
 
     by_budget: dict[float, dict[str, dict]] = {}
     for r in solved:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from .examples import last_boxed
+from ..data.examples import last_boxed
 
 STYLES = ("gsm8k", "math")
 

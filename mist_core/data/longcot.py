@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .errors import InvalidExample
+from ..errors import InvalidExample
 from .examples import Example, last_boxed
 from .fields import first_field, row_id, text_field
 

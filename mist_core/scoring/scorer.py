@@ -9,11 +9,11 @@ import numpy as np
 import torch
 
 from . import allocator, attention, memory
+from ..data.examples import Example
+from ..data.templates import Encoded, get_template
+from ..errors import InvalidExample, NonFiniteScores
+from ..models import LM
 from .choices import ABLATIONS, ALPHA, LAYER_WEIGHTS
-from .errors import InvalidExample, NonFiniteScores
-from .examples import Example
-from .models import LM
-from .templates import Encoded, get_template
 from .passes import Plan, PrefixKV, residual_pass
 from .tracing import Prefix, batch_overhead, length_batches, pad, wide
 

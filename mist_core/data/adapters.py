@@ -1,5 +1,5 @@
-"""Every corpus adapter by name: a row -> its Example (mist_core.examples for GSM8K, MATH and
-generic columns; mist_core.longcot for the long-CoT corpora)."""
+"""Every corpus adapter by name: a row -> its Example (mist_core.data.examples for GSM8K, MATH and
+generic columns; mist_core.data.longcot for the long-CoT corpora)."""
 from __future__ import annotations
 
 from typing import Callable, Mapping

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .errors import InvalidExample
+from ..errors import InvalidExample
 
 
 def first_field(row: Mapping, *names: str) -> object:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import InvalidExample
+from ..errors import InvalidExample
 from .examples import Example
 
 ANSWER_LEAD = "The answer is "

@@ -1,5 +1,6 @@
 """Reasoning examples, and the adapters of the short-chain corpora (GSM8K, MATH, any corpus
-with the three texts in columns) that turn rows into them; mist_core.adapters names them all."""
+with the three texts in columns) that turn rows into them; mist_core.data.adapters names them
+all."""
 from __future__ import annotations
 
 import hashlib
@@ -8,7 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from .errors import InvalidExample
+from ..errors import InvalidExample
 from .fields import first_field, row_id, text_field
 
 

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .examples import Example
+from ..data.examples import Example
 
 _WORD = re.compile(r"\S+")
 _DIGIT = re.compile(r"\d")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .models import LM
+from ..models import LM
 
 
 def _hidden(output):
