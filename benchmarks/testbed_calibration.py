@@ -2,6 +2,7 @@
 oracle arm meet the bar before any method is compared?
 
     python benchmarks/testbed_calibration.py /tmp/calA /tmp/calB ... --out docs/results/calibration.md
+    python benchmarks/testbed_calibration.py /tmp/calC --append --out docs/results/calibration.md
 
 The bar (issue 29): the oracle at γ = 0.5 keeps ≥ 90% of the full-chain control's accuracy
 while writing ≤ 60% of its chain tokens, and the mixture costs ≤ 3 points at γ = 1.0 (the
@@ -18,12 +19,13 @@ from pipelines.loop.testbed import t_interval  # noqa: E402
 
 
 READING = "## Reading"
-ORACLES = ("oracle", "oracle_near")  # the ceiling arms: random fill, or the nearest tokens
+# the ceiling arms: random fill, the nearest tokens, and with the writer's cues
+ORACLES = ("oracle", "oracle_near", "oracle_cue")
 
 
 def recipe(sizes: dict) -> str:
     return f"mix {sizes.get('mix', 'sample')}, {sizes['ft_epochs']:g} epochs, lr {sizes['ft_lr']:g}, " \
-           f"unit {sizes.get('unit', 'token')}"
+           f"unit {sizes.get('unit', 'token')}, corpus {sizes.get('phase0', 1000)}"
 
 
 def rows(run: dict, arm: str = "oracle") -> dict:
@@ -55,6 +57,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", help="testbed --out folders (each with testbed.json)")
     p.add_argument("--out", default=None, help="write the table here (markdown)")
+    p.add_argument("--append", action="store_true",
+                   help="keep the rows already in --out's table (runs no longer at hand)")
     a = p.parse_args(argv)
     lines = ["| recipe | arm | seeds | acc. / full-chain, γ = 0.5 | chain tokens / full-chain, 0.5 "
              "| acc. / full, 0.7 | tokens / full, 0.7 | arm at 1.0 − full-chain, points | bar met |",
@@ -75,7 +79,13 @@ def main(argv=None) -> int:
     if a.out:
         out = Path(a.out)
         old = out.read_text() if out.exists() else ""
-        head = old[:old.index("| recipe |")] if "| recipe |" in old else ""
+        # the page above the table (all of it before the reading where there is no table yet)
+        head = (old[:old.index("| recipe |")] if "| recipe |" in old
+                else old[:old.index(READING)] if READING in old else old)
+        if a.append and "| recipe |" in old:  # the old rows, then this call's
+            kept = [ln for ln in old[old.index("| recipe |"):].splitlines()[2:]
+                    if ln.startswith("| ")]
+            text = "\n".join(lines[:2] + kept + lines[2:]) + "\n"
         tail = old[old.index(READING):] if READING in old else ""  # written by hand, kept
         out.write_text(head + text + ("\n" + tail if tail else ""))
     print(text)

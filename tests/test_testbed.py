@@ -287,3 +287,38 @@ def test_smoke_run_has_signal(tmp_path):
     md = (out / "downstream.md").read_text()
     assert "mist testbed --smoke" in md
     assert "| mist | 0.5 |" in md and "| no_chain | 1 |" in md
+
+
+def test_calibration_table_appends_and_judges_the_bar(tmp_path):
+    """benchmarks/testbed_calibration.py: the oracle arms' shares of the full-chain control,
+    the bar judged on them, and --append keeping rows of runs no longer at hand."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "testbed_calibration.py"
+    spec = importlib.util.spec_from_file_location("testbed_calibration", path)
+    cal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cal)
+
+    def run(folder, acc, tokens, corpus):
+        budgets = {"1.0": {"accuracy": 0.8, "chain_tokens": 50.0},
+                   "0.5": {"accuracy": acc, "chain_tokens": tokens},
+                   "0.7": {"accuracy": 0.7, "chain_tokens": 40.0}}
+        seed = {"arms": {"full_chain": {"budgets": {"1.0": budgets["1.0"]}},
+                         "oracle_cue": {"budgets": budgets}}}
+        folder.mkdir()
+        (folder / "testbed.json").write_text(json.dumps({
+            "sizes": {"mix": "per_budget", "ft_epochs": 4, "ft_lr": 1e-3, "phase0": corpus},
+            "seeds": {"0": seed}}))
+        return str(folder)
+
+    md = tmp_path / "calibration.md"
+    md.write_text("# Calibration\n\n## Reading\n\nby hand\n")
+    assert cal.main([run(tmp_path / "a", 0.6, 25.0, 1000), "--out", str(md)]) == 0
+    assert cal.main([run(tmp_path / "b", 0.76, 29.0, 3000), "--append", "--out", str(md)]) == 0
+    text = md.read_text()
+    rows = [ln for ln in text.splitlines() if ln.startswith("| mix")]
+    assert len(rows) == 2 and "corpus 1000" in rows[0] and "corpus 3000" in rows[1]
+    assert "| 75.0% | 50.0% |" in rows[0] and rows[0].endswith("| no |")  # 0.6 / 0.8
+    assert "| 95.0% | 58.0% |" in rows[1] and rows[1].endswith("| yes |")  # 0.76 / 0.8, 29 / 50
+    assert text.startswith("# Calibration\n") and text.endswith("## Reading\n\nby hand\n")
