@@ -46,6 +46,14 @@ COMMANDS = {"compress": ("job.compress", True), "show": ("job.show", True),
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`mist`: run the command that the first argument names (COMMANDS), or print the usage.
+
+    Args:
+        argv: the command line after `mist` (default: sys.argv[1:]).
+
+    Returns:
+        The exit status: the command's, 0 for --help, 2 for no command or an unknown one.
+    """
     args = sys.argv[1:] if argv is None else list(argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE, end="")
@@ -64,6 +72,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def model_path(argv: list[str]) -> int:
+    """`mist model-path`: print the folder (or hub id) that from_pretrained reads for a spec.
+
+    Args:
+        argv: the command line after `mist model-path`.
+
+    Returns:
+        The exit status: 0, or 2 for a spec whose file or package is missing.
+    """
     import argparse
 
     p = argparse.ArgumentParser(prog="mist model-path", description=(

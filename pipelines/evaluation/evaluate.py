@@ -340,6 +340,15 @@ def parse_args(argv: list[str] | None, prog: str) -> EvalConfig:
 
 
 def main(argv: list[str] | None = None, prog: str = "mist eval") -> int:
+    """`mist eval`: score, prune and measure each method at each budget, then print the table.
+
+    Args:
+        argv: the command line after the program's name (default: sys.argv[1:]).
+        prog: the program's name in --help.
+
+    Returns:
+        The exit status: 0, or 2 for bad settings, input or a model that cannot load, 4 for
+        storage that stayed unavailable (pipelines.common.exits)."""
     exits.setup_logging()
     argv = sys.argv[1:] if argv is None else list(argv)
 

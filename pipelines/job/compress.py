@@ -497,6 +497,17 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m pipelines.c
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m pipelines.compress") -> int:
+    """`mist compress` (and `python -m pipelines.compress`): the compression job, then its
+    summary.
+
+    Args:
+        argv: the command line after the program's name (default: sys.argv[1:]).
+        prog: the program's name in --help.
+
+    Returns:
+        The exit status: 0, or 2 for bad settings, input or a model that cannot load, 3 for
+        counts that do not add up, 4 for storage that stayed unavailable, 5 for more failed
+        rows than --max-error-share allows, 130 for Ctrl-C (pipelines.common.exits)."""
     exits.setup_logging()
 
     def body() -> int:

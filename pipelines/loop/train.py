@@ -247,6 +247,15 @@ def parse_args(argv: list[str] | None, prog: str) -> TrainConfig:
 
 
 def main(argv: list[str] | None = None, prog: str = "mist train") -> int:
+    """`mist train`: fine-tune a model on a compression output's sft/ records.
+
+    Args:
+        argv: the command line after the program's name (default: sys.argv[1:]).
+        prog: the program's name in --help.
+
+    Returns:
+        The exit status: 0, or 2 for bad settings, input or a model that cannot load, 4 for
+        storage that stayed unavailable (pipelines.common.exits)."""
     return loop.run_main(run, sys.argv[1:] if argv is None else list(argv), parse_args, prog)
 
 
