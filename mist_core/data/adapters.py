@@ -11,7 +11,34 @@ ADAPTERS = ("gsm8k", "math", "generic", "openr1", "openthoughts", "s1k", "messag
 
 
 def get_adapter(name: str, **columns: str) -> Callable[[Mapping], Example | list[Example]]:
-    """A row -> its Example; `openr1` gives a list (one Example per usable generation)."""
+    r"""The adapter of a corpus: a function from one row (a mapping of column names to
+    values) to its Example; `openr1` gives a list instead (one Example per usable
+    generation).
+
+    Args:
+        name: one of ADAPTERS: "gsm8k", "math", "generic", "openr1", "openthoughts", "s1k"
+            or "messages".
+        **columns: for "generic" only, the column of each text: `question`, `cot`, `answer`
+            and `id` (defaults: the same names).
+
+    Returns:
+        A callable row -> Example (or list of Examples) that raises InvalidExample, with its
+        reason, for a row it cannot use.
+
+    Raises:
+        ValueError: an unknown adapter name.
+
+    Examples:
+        >>> from mist_core import get_adapter
+        >>> gsm8k = get_adapter("gsm8k")
+        >>> ex = gsm8k({"question": "Ann has 3 apples and buys 4 more. How many?",
+        ...             "answer": "She has 3 + 4 = <<3+4=7>>7 apples.\n#### 7"})
+        >>> ex.cot, ex.answer
+        ('She has 3 + 4 = 7 apples.', '7')
+        >>> get_adapter("generic", cot="steps")({"question": "What is 2 + 2?",
+        ...                                      "steps": "2 + 2 = 4.", "answer": "4", "id": 5})
+        Example(question='What is 2 + 2?', cot='2 + 2 = 4.', answer='4', id='5')
+    """
     if name == "gsm8k":
         return examples.gsm8k
     if name == "math":

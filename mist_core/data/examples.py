@@ -15,6 +15,36 @@ from .fields import first_field, row_id, text_field
 
 @dataclass(frozen=True)
 class Example:
+    """One reasoning example: a question, the chain of thought that solves it and the final
+    answer. The three texts are checked when it is made, so an Example that exists can be
+    tokenised (templates) and scored; what a model's template cannot take fails later, at
+    encoding.
+
+    Args:
+        question: the question x, as the user turn or prompt.
+        cot: the chain of thought c, the text that pruning compresses.
+        answer: the final answer a, whose log-likelihood the scorers explain.
+        id: the example's own id, or None for a hash of its three texts (`key`).
+
+    Raises:
+        InvalidExample: a text that is not a string, is blank or holds a null byte
+            (reasons `<field>_not_string`, `empty_<field>`, `null_byte_in_<field>`), or an
+            id that is not a string (`id_not_string`).
+
+    Examples:
+        >>> from mist_core import Example
+        >>> ex = Example("Ann has 3 apples. She buys 4 more apples. How many apples does Ann have?",
+        ...              "She buys 4 more, so 3 + 4 = 7.", "7", id="ann")
+        >>> ex.key
+        'ann'
+        >>> len(Example("What is 2 + 2?", "2 + 2 = 4.", "4").key)  # a hash of the texts
+        32
+        >>> Example("What is 2 + 2?", "   ", "4")
+        Traceback (most recent call last):
+        ...
+        mist_core.errors.InvalidExample: empty_cot
+    """
+
     question: str
     cot: str
     answer: str

@@ -85,6 +85,22 @@ class Template:
                                                                          dtype=np.int64)
 
     def encode(self, ex: Example) -> Encoded:
+        """Tokenise an example as the full input [x; c; a] and the no-chain input [x; a].
+
+        Args:
+            ex: the example.
+
+        Returns:
+            The Encoded example: both inputs' token ids and the spans of the chain and the
+            answer in them.
+
+        Raises:
+            InvalidExample: the answer or the chain tokenizes to nothing (`answer_no_tokens`,
+                `cot_no_tokens`), the two share a token (`span_overlap`), or the input is
+                longer than max_length (`too_long`).
+            ValueError: (chat) the tokenizer's chat template does not render the assistant's
+                turn verbatim.
+        """
         before, between, nochain = self.frame(ex.question)
         chain_at = len(before)
         full = before + ex.cot + between + ANSWER_LEAD
@@ -187,8 +203,39 @@ def has_thinking(tokenizer) -> bool:
 
 
 def get_template(name: str, tokenizer, max_length: int | None = None) -> Template:
-    """`auto` takes the thinking template where the tokenizer's chat template has a thinking
-    block, else the chat template where it has one, else the plain one."""
+    """The prompt template that renders examples as the model reads them and records the
+    chain's and the answer's token spans (Template.encode).
+
+    Args:
+        name: "chat" (the tokenizer's chat template: the question is the user turn, the
+            chain and the answer line the assistant's), "think" (the chain inside the
+            assistant's thinking block), "plain" (`Question: …` then `Solution:`, for base
+            models) or "auto": think where the tokenizer's chat template has a thinking
+            block, else chat where it has a chat template, else plain.
+        tokenizer: a fast tokenizer (the templates read its character offsets).
+        max_length: the model's context: a longer input fails as `too_long`; None: no limit.
+
+    Returns:
+        The Template; its `encode(example)` gives the Encoded example.
+
+    Raises:
+        ValueError: an unknown name, or a tokenizer that is not a fast one.
+
+    Examples:
+        >>> from mist_core import Example, get_template
+        >>> from mist_core.distill.synthetic import build_tokenizer, vocabulary_texts
+        >>> tokenizer = build_tokenizer(vocabulary_texts())  # a word-level one, no download
+        >>> template = get_template("auto", tokenizer, max_length=512)
+        >>> template.name
+        'chat'
+        >>> enc = template.encode(Example("Ann has 3 apples. She buys 4 more apples. "
+        ...                               "How many apples does Ann have?",
+        ...                               "She buys 4 more, so 3 + 4 = 7.", "7"))
+        >>> enc.chain_len, enc.answer_len
+        (12, 1)
+        >>> tokenizer.decode(enc.source_ids[enc.chain_start:enc.chain_stop])
+        'She buys 4 more, so 3 + 4 = 7.'
+    """
     if name == "auto":
         name = ("think" if has_thinking(tokenizer) else "chat"
                 if getattr(tokenizer, "chat_template", None) else "plain")

@@ -24,6 +24,23 @@ UNITS = ("token", "word", "equation")
 
 @dataclass
 class Compressed:
+    """One compressed chain: what prune keeps of a chain at one budget.
+
+    Attributes:
+        budget: the budget γ, the share of the chain's tokens kept at most (see prune).
+        kept: bool [T], which chain tokens are kept.
+        text: the kept tokens' text, in their original order (original characters only).
+        kept_tokens: how many tokens are kept (a property).
+        cot_tokens: the chain's tokens T (a property).
+
+    Examples:
+        >>> import numpy as np
+        >>> from mist_core import Compressed
+        >>> c = Compressed(budget=0.5, kept=np.array([False, True, True, False]), text="3 + 4")
+        >>> c.kept_tokens, c.cot_tokens
+        (2, 4)
+    """
+
     budget: float
     kept: np.ndarray  # bool [T], chain tokens kept
     text: str
@@ -112,7 +129,7 @@ def pruning_units(cot: str, offsets: np.ndarray, unit: str = "token") -> np.ndar
     Returns:
         An int array [T]; tokens with the same value form one unit.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> pruning_units("has 16 eggs", np.array([[0, 3], [3, 5], [5, 6], [6, 11]])).tolist()
         [0, 1, 1, 3]
@@ -161,20 +178,76 @@ def _select(unit_scores: np.ndarray, unit_sizes: np.ndarray, forced: np.ndarray,
 def prune(example: Example, scored, budgets: Sequence[float] = (0.5,), unit: str = "token",
           keep_digits: bool = False) -> list[Compressed]:
     """For each budget γ keep ⌈γ·T⌉ chain tokens with the highest scores, in original order.
-    `scored`: a ScoredChain (its `scores` and `chain_offsets`); prune_scores takes the two
-    arrays themselves.
 
     A unit (pruning_units) scores the mean of its tokens' scores; units are taken best first
     while they fit the token budget, so a unit is never cut and a number never loses a
     digit. unit="token" keeps exactly ⌈γ·T⌉ tokens unless only multi-token numbers are left
     to fill the last places; "word" and "equation" keep at most that many. keep_digits keeps
-    every unit with a digit whatever its score (it may then exceed the budget)."""
+    every unit with a digit whatever its score (it may then exceed the budget).
+
+    Args:
+        example: the example whose chain (`example.cot`) is pruned.
+        scored: its ScoredChain (its `scores` and `chain_offsets`); prune_scores takes the
+            two arrays themselves.
+        budgets: the budgets γ, each in (0, 1]: the share of the chain's T tokens to keep.
+        unit: what is kept or dropped whole: "token", "word" or "equation" (words, with
+            each equation's operands, operators and results one unit); at every unit a
+            number is one unit.
+        keep_digits: keep every unit with a digit, whatever its score.
+
+    Returns:
+        One Compressed per budget, in the order of `budgets`.
+
+    Raises:
+        ValueError: a budget outside (0, 1], or an unknown unit.
+
+    Examples:
+        >>> from mist_core import Example, MistScorer, prune, wrap_model
+        >>> from mist_core.distill.synthetic import build_tokenizer, tiny_llama, vocabulary_texts
+        >>> tokenizer = build_tokenizer(vocabulary_texts())  # word-level, no download
+        >>> lm = wrap_model(tiny_llama(tokenizer, layers=2, hidden=32), tokenizer, "tiny")
+        >>> ex = Example("Ann has 3 apples. She buys 4 more apples. How many apples does Ann "
+        ...              "have?", "She buys 4 more, so 3 + 4 = 7.", "7")
+        >>> [chain] = MistScorer(lm).score([ex])
+        >>> out = prune(ex, chain, budgets=(0.5, 0.75, 1.0))
+        >>> [(c.budget, c.kept_tokens, c.cot_tokens) for c in out]
+        [(0.5, 6, 12), (0.75, 9, 12), (1.0, 12, 12)]
+        >>> out[-1].text
+        'She buys 4 more, so 3 + 4 = 7.'
+
+        The equation is one unit, and with keep_digits it is kept whole, over the budget:
+
+        >>> [c] = prune(ex, chain, budgets=(0.5,), unit="equation", keep_digits=True)
+        >>> c.kept_tokens, c.text
+        (7, '4 3 + 4 = 7.')
+    """
     return prune_scores(example, scored.scores, scored.chain_offsets, budgets, unit, keep_digits)
 
 
 def prune_scores(example: Example, scores, offsets, budgets: Sequence[float] = (0.5,),
                  unit: str = "token", keep_digits: bool = False) -> list[Compressed]:
-    """prune() on per-token `scores` [T] and the chain tokens' character `offsets` [T, 2]."""
+    """prune() on per-token `scores` [T] and the chain tokens' character `offsets` [T, 2]
+    (any scorer's, or scores of one's own).
+
+    Args:
+        example: the example whose chain is pruned.
+        scores: [T] one score per chain token, higher kept first.
+        offsets: [T, 2] each chain token's character span in `example.cot`.
+        budgets, unit, keep_digits: as in prune.
+
+    Returns:
+        One Compressed per budget.
+
+    Raises:
+        ValueError: a budget outside (0, 1], or an unknown unit.
+
+    Examples:
+        >>> from mist_core import Example
+        >>> ex = Example("What is 2 + 2?", "so 2 + 2 = 4", "4")
+        >>> offsets = [[0, 2], [2, 4], [4, 6], [6, 8], [8, 10], [10, 12]]
+        >>> [c.text for c in prune_scores(ex, [0, 1, 0, 1, 0, 1], offsets, (0.5, 1.0))]
+        ['2 2 4', 'so 2 + 2 = 4']
+    """
     scores = np.asarray(scores, dtype=np.float64)
     offsets = np.asarray(offsets).reshape(-1, 2)
     T = len(scores)

@@ -30,11 +30,52 @@ COMMON = ("template", "max_tokens", "max_batch", "max_memory")
 
 
 def scorer_names() -> list[str]:
+    """The methods get_scorer knows: MIST, its one-axis ablations and the baselines.
+
+    Returns:
+        The names, MIST's first.
+
+    Examples:
+        >>> from mist_core import scorer_names
+        >>> scorer_names()[:4]
+        ['mist', 'necessity', 'sufficiency', 'uniform']
+        >>> "h2o" in scorer_names()
+        True
+    """
     return list(_factories())
 
 
 def get_scorer(name: str, lm: LM, **kwargs) -> Scorer:
-    """A scorer by name; keyword arguments go to its constructor (template, max_tokens, …)."""
+    """A scorer by name. Scoring checks a method's options before it makes one; this takes
+    them as they come.
+
+    Args:
+        name: one of scorer_names().
+        lm: the model (load_model, wrap_model).
+        **kwargs: the scorer's constructor's options: template, max_tokens, max_batch and
+            max_memory for every one (Scorer), and the method's own (MistScorer's alpha,
+            layer_weights, ablation; the uniform baseline's seed).
+
+    Returns:
+        The Scorer.
+
+    Raises:
+        ValueError: an unknown name, or an option value the scorer refuses.
+
+    Examples:
+        >>> from mist_core import wrap_model
+        >>> from mist_core.distill.synthetic import build_tokenizer, tiny_llama, vocabulary_texts
+        >>> tokenizer = build_tokenizer(vocabulary_texts())  # word-level, no download
+        >>> lm = wrap_model(tiny_llama(tokenizer, layers=2, hidden=32), tokenizer, "tiny")
+        >>> from mist_core import get_scorer
+        >>> scorer = get_scorer("necessity", lm, max_tokens=2048)
+        >>> type(scorer).__name__, scorer.method, scorer.max_tokens
+        ('MistScorer', 'necessity', 2048)
+        >>> get_scorer("tfidf", lm)
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown method 'tfidf'; choose from mist, necessity, sufficiency, ...
+    """
     factories = _factories()
     if name not in factories:
         raise ValueError(f"unknown method {name!r}; choose from {', '.join(factories)}")
@@ -60,7 +101,24 @@ class Scoring:
 
     Raises:
         ValueError: an unknown method, or an option the method does not take set away
-            from its default."""
+            from its default.
+
+    Examples:
+        >>> from mist_core.scoring.registry import Scoring
+        >>> Scoring("uniform", seed=1).options()
+        {'template': 'auto', 'max_tokens': 4096, 'max_batch': 32, 'max_memory': 'auto', 'seed': 1}
+        >>> Scoring("h2o", alpha=0.3)
+        Traceback (most recent call last):
+        ...
+        ValueError: alpha is not an option of h2o
+        >>> from mist_core import wrap_model
+        >>> from mist_core.distill.synthetic import build_tokenizer, tiny_llama, vocabulary_texts
+        >>> tokenizer = build_tokenizer(vocabulary_texts())  # word-level, no download
+        >>> lm = wrap_model(tiny_llama(tokenizer, layers=2, hidden=32), tokenizer, "tiny")
+        >>> scorer = Scoring(layer_weights="signed", max_memory="2GB").scorer(lm)
+        >>> type(scorer).__name__, scorer.layer_weights, scorer.max_memory
+        ('MistScorer', 'signed', 2147483648)
+    """
     method: str = "mist"
     alpha: float = ALPHA
     layer_weights: str = LAYER_WEIGHTS[0]
@@ -83,10 +141,21 @@ class Scoring:
                              f"an option of {self.method}")
 
     def options(self) -> dict:
-        """The keyword arguments the method's constructor takes."""
+        """The keyword arguments the method's constructor takes.
+
+        Returns:
+            The options every scorer takes, then the method's own, by name.
+        """
         values = asdict(self)
         return {k: values[k] for k in COMMON + OPTIONS.get(self.method, ())}
 
     def scorer(self, lm: LM) -> Scorer:
-        """The scorer these settings name, on `lm`."""
+        """The scorer these settings name, on `lm`.
+
+        Args:
+            lm: the model (load_model, wrap_model).
+
+        Returns:
+            The Scorer (get_scorer with the method's options).
+        """
         return get_scorer(self.method, lm, **self.options())

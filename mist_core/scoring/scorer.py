@@ -22,7 +22,38 @@ AXES = ("necessity", "sufficiency")
 
 @dataclass
 class ScoredChain:
-    """Per-token scores of one chain. `scores` is what pruning ranks (keep the highest)."""
+    """Per-token scores of one chain. `scores` is what pruning ranks (keep the highest).
+
+    Attributes:
+        example: the Example scored.
+        method: the scorer's method name (`mist`, `necessity`, `h2o`, ...).
+        scores: [T] one score per chain token, higher is more important.
+        source_ids: the full input's token ids, [x; c; a].
+        chain_start: where the chain's T tokens start in source_ids.
+        answer_start, answer_stop: the answer's tokens in source_ids.
+        target_ids: the no-chain input's token ids, [x; a].
+        target_final: the position in target_ids before the answer's first token.
+        chain_offsets: [T, 2] each chain token's character span in example.cot.
+        necessity, sufficiency: (MIST) [T] Eq. 7's axes, before normalisation.
+        necessity_per_layer, sufficiency_per_layer: (MIST) [L, T] Eq. 4 and Eq. 5.
+        layer_weights: (MIST) [L] Eq. 6's c̄ of the layers aggregated over.
+        layers: (MIST) the block numbers (1-based) of the per-layer rows.
+        log_likelihood: log p(a | x, c).
+        nochain_log_likelihood: log p(a | x, ∅) (MIST's sufficiency axis).
+
+    Examples:
+        >>> from mist_core import Example, MistScorer, wrap_model
+        >>> from mist_core.distill.synthetic import build_tokenizer, tiny_llama, vocabulary_texts
+        >>> tokenizer = build_tokenizer(vocabulary_texts())  # word-level, no download
+        >>> lm = wrap_model(tiny_llama(tokenizer, layers=2, hidden=32), tokenizer, "tiny")
+        >>> ex = Example("Ann has 3 apples. She buys 4 more apples. How many apples does Ann "
+        ...              "have?", "She buys 4 more, so 3 + 4 = 7.", "7", id="ann")
+        >>> [chain] = MistScorer(lm, layers=[2]).score([ex])
+        >>> chain.id, chain.method, chain.scores.shape, chain.necessity_per_layer.shape
+        ('ann', 'mist', (12,), (1, 12))
+        >>> tokenizer.decode(chain.chain_ids), chain.chain_offsets[:2].tolist()
+        ('She buys 4 more, so 3 + 4 = 7.', [[0, 3], [3, 8]])
+    """
 
     example: Example
     method: str
@@ -65,23 +96,43 @@ class Scorer:
     (an InvalidExample in the place of a chain that fails alone, e.g. NonFiniteScores);
     batching is by token budget over length-sorted examples, and results come back in
     input order. A chain whose scores hold NaN or inf fails as NonFiniteScores, whatever
-    the scorer.
+    the scorer. get_scorer makes one by name.
 
-    max_memory: the most bytes the scorer's passes may take beyond the loaded model: a
-    number, a size such as "6GB", None for no cap, or "auto" (the default): 90% of a GPU's
-    free memory once the model is loaded, 60% of the memory a CPU machine has available.
-    Within it a scorer that backpropagates picks its batches and, where a batch would not
-    fit otherwise, recomputes each block in the backward instead of storing its activations
-    (then also runs the MLP in pieces, then also keeps only every k-th h^(l): `Plan`), and
-    keeps the attention outputs of as many blocks as the rest of the cap holds.
-    A batch that runs out of memory all the same is split in two and retried; a chain that
-    cannot fit alone fails with InvalidExample (reason `too_long_for_memory`). On a CPU
-    with glibc, what a stored pass frees stays in the process for the next pass
+    Within max_memory a scorer that backpropagates picks its batches and, where a batch
+    would not fit otherwise, recomputes each block in the backward instead of storing its
+    activations (then also runs the MLP in pieces, then also keeps only every k-th h^(l):
+    `Plan`), and keeps the attention outputs of as many blocks as the rest of the cap
+    holds. A batch that runs out of memory all the same is split in two and retried; a
+    chain that cannot fit alone fails with InvalidExample (reason `too_long_for_memory`).
+    On a CPU with glibc, what a stored pass frees stays in the process for the next pass
     (allocator.keep_freed), given back before a recomputed pass, when the process has grown
     more than max_memory beyond the model, or by allocator.release.
 
-    max_tokens: padded token positions per forward pass; "auto": as many as max_memory
-    holds with stored activations (4096 without a cap)."""
+    Args:
+        lm: the model (load_model, wrap_model).
+        template: the prompt template's name (get_template); "auto" by default.
+        max_tokens: padded token positions per forward pass; "auto": as many as max_memory
+            holds with stored activations (4096 without a cap).
+        max_batch: chains per forward pass at most.
+        max_memory: the most bytes the scorer's passes may take beyond the loaded model: a
+            number, a size such as "6GB", None for no cap, or "auto" (the default): 90% of
+            a GPU's free memory once the model is loaded, 60% of the memory a CPU machine
+            has available.
+
+    Examples:
+        >>> from mist_core import Example, MistScorer, wrap_model
+        >>> from mist_core.distill.synthetic import build_tokenizer, tiny_llama, vocabulary_texts
+        >>> tokenizer = build_tokenizer(vocabulary_texts())  # word-level, no download
+        >>> lm = wrap_model(tiny_llama(tokenizer, layers=2, hidden=32), tokenizer, "tiny")
+        >>> ex = Example("Ann has 3 apples. She buys 4 more apples. How many apples does Ann "
+        ...              "have?", "She buys 4 more, so 3 + 4 = 7.", "7", id="ann")
+        >>> from mist_core import Scorer, get_scorer
+        >>> scorer = get_scorer("uniform", lm, seed=0)
+        >>> isinstance(scorer, Scorer), scorer.method
+        (True, 'uniform')
+        >>> [len(chain.scores) for chain in scorer.score([ex, ex])]
+        [12, 12]
+    """
 
     method = "base"
 
@@ -103,18 +154,77 @@ class Scorer:
         return get_template(self.template_name, self.lm.tokenizer, self.lm.max_length)
 
     def encode(self, ex: Example) -> Encoded:
-        """Tokenise one example; raises InvalidExample for what cannot be scored."""
+        """Tokenise one example in the scorer's template (Template.encode).
+
+        Args:
+            ex: the example.
+
+        Returns:
+            The Encoded example, for score_encoded.
+
+        Raises:
+            InvalidExample: what cannot be scored (`too_long` beyond the model's context,
+                `cot_no_tokens`, ...).
+        """
         return self.template.encode(ex)
 
     def score(self, examples: Sequence[Example]) -> list[ScoredChain]:
+        """Score examples: one ScoredChain each, in input order.
+
+        Args:
+            examples: the examples; batched by length within max_tokens and max_memory.
+
+        Returns:
+            A ScoredChain per example; prune() turns one into compressed chains.
+
+        Raises:
+            InvalidExample: the first example that cannot be encoded or scored (see
+                score_encoded with errors="return" to keep the others).
+
+        Examples:
+            >>> from mist_core import Example, MistScorer, wrap_model
+            >>> from mist_core.distill.synthetic import (build_tokenizer, tiny_llama,
+            ...                                          vocabulary_texts)
+            >>> tokenizer = build_tokenizer(vocabulary_texts())  # word-level, no download
+            >>> lm = wrap_model(tiny_llama(tokenizer, layers=2, hidden=32), tokenizer, "tiny")
+            >>> ex = Example("Ann has 3 apples. She buys 4 more apples. How many apples does Ann "
+            ...              "have?", "She buys 4 more, so 3 + 4 = 7.", "7", id="ann")
+            >>> chains = MistScorer(lm).score([ex])
+            >>> [(c.id, c.method, len(c.scores)) for c in chains]
+            [('ann', 'mist', 12)]
+        """
         return self.score_encoded([self.encode(ex) for ex in examples])
 
     def score_encoded(self, encoded: Sequence[Encoded],
                       errors: str = "raise") -> list[ScoredChain | InvalidExample]:
-        """Scores in input order. errors="return" puts an InvalidExample in the place of a
-        chain that cannot be scored within max_memory (`too_long_for_memory`), or whose
-        scores came out NaN or inf (NonFiniteScores, `nonfinite_scores`), instead of raising
-        it."""
+        """Score encoded examples (encode, or a template's encode), in input order.
+
+        Args:
+            encoded: the encoded examples.
+            errors: "raise" (the default) raises the first chain's failure; "return" puts
+                the InvalidExample in the place of a chain that cannot be scored within
+                max_memory (`too_long_for_memory`), or whose scores came out NaN or inf
+                (NonFiniteScores, `nonfinite_scores`), and scores the others.
+
+        Returns:
+            A ScoredChain, or with errors="return" an InvalidExample, per encoded example.
+
+        Raises:
+            InvalidExample: with errors="raise", a chain that cannot be scored.
+
+        Examples:
+            >>> from mist_core import Example, MistScorer, wrap_model
+            >>> from mist_core.distill.synthetic import (build_tokenizer, tiny_llama,
+            ...                                          vocabulary_texts)
+            >>> tokenizer = build_tokenizer(vocabulary_texts())  # word-level, no download
+            >>> lm = wrap_model(tiny_llama(tokenizer, layers=2, hidden=32), tokenizer, "tiny")
+            >>> ex = Example("Ann has 3 apples. She buys 4 more apples. How many apples does Ann "
+            ...              "have?", "She buys 4 more, so 3 + 4 = 7.", "7", id="ann")
+            >>> scorer = MistScorer(lm, max_memory=1000)  # bytes: too little for any chain
+            >>> [result] = scorer.score_encoded([scorer.encode(ex)], errors="return")
+            >>> result.reason, result.example_id
+            ('too_long_for_memory', 'ann')
+        """
         out: list = [None] * len(encoded)
         for idx in self.forward_batches(encoded):
             self._score_fitting(idx, encoded, out)
@@ -309,12 +419,15 @@ def eq7(per_layer, cbar, layer_weights: str = "signed"):
     (clipped: a layer whose logit-lens contribution falls counts for nothing instead of
     against a token). Where clipping leaves no signal (every token 0: no layer's c̄ is
     positive, or only the last block's, whose state at a chain position has no path to the
-    answer), the axis would rank nothing, so the signed weights stand."""
+    answer), the axis would rank nothing, so the layers weigh by |c̄|: the signed weights
+    would then all be ≤ 0 and rank the tokens that move the answer most last (18 of 200
+    testbed chains, docs/results/calibration.md)."""
     mag = per_layer.abs() if isinstance(per_layer, torch.Tensor) else np.abs(per_layer)
     if layer_weights == "clipped":
         clipped = ((cbar * (cbar > 0))[:, None] * mag).sum(0)
         if clipped.any():
             return clipped
+        return (abs(cbar)[:, None] * mag).sum(0)
     return (cbar[:, None] * mag).sum(0)
 
 
@@ -325,17 +438,53 @@ class MistScorer(BackpropScorer):
     held: Eq. 4 as each layer's gradient arrives, Eq. 5 and Eq. 6 as each layer's state
     does (the no-chain pass runs first, so its gradients are at hand).
 
-    axes: ("necessity", "sufficiency") or one of them; layers: block numbers 1..L to
-    aggregate over (default all); share_prefix: continue the question prefix's cached keys
-    and values in the source pass (None: where the cost model says it pays);
-    layer_weights: how Eq. 7 weighs the layers: "clipped" (the default: max(c̄_l, 0), so a
-    layer whose logit-lens contribution falls counts for nothing) or "signed" (the paper:
-    c̄_l as Eq. 6 gives it, so such a layer counts against a token). Clipped is the default
-    because on GSM8K chains it keeps more of Eq. 1 and of the intermediate results than
-    the paper's weights (docs/results/units.md). `layer_weights` on the result is always
-    Eq. 6's c̄.
-    ablation: necessity's baseline, "zero" (Eq. 4, the paper) or "mean" (the chain's mean
-    state at the layer: ⟨∇h_i, h_i − h̄⟩), a variant the testbed tries."""
+    Args:
+        lm: the model (load_model, wrap_model).
+        alpha: Eq. 8's necessity weight, in [0, 1] (the paper's 0.6 by default); with one
+            axis it is not used.
+        axes: ("necessity", "sufficiency") or one of them (the method is then that axis's
+            name).
+        layers: block numbers 1..L to aggregate over (default all).
+        share_prefix: continue the question prefix's cached keys and values in the source
+            pass (None: where the cost model says it pays).
+        layer_weights: how Eq. 7 weighs the layers: "clipped" (the default: max(c̄_l, 0), so
+            a layer whose logit-lens contribution falls counts for nothing) or "signed" (the
+            paper: c̄_l as Eq. 6 gives it, so such a layer counts against a token). Clipped
+            is the default because on GSM8K chains it keeps more of Eq. 1 and of the
+            intermediate results than the paper's weights (docs/results/units.md).
+            `layer_weights` on the result is always Eq. 6's c̄.
+        ablation: necessity's baseline, "zero" (Eq. 4, the paper) or "mean" (the chain's
+            mean state at the layer: ⟨∇h_i, h_i − h̄⟩), a variant the testbed tries.
+        recompute: None (the default) picks per batch the cheapest way that fits
+            max_memory; True or False forces recomputing the blocks in the backward or
+            storing their activations.
+        **kwargs: the options every scorer takes (Scorer): template, max_tokens,
+            max_batch, max_memory.
+
+    Raises:
+        ValueError: an alpha outside [0, 1], an unknown axis, layer weighting or ablation,
+            or a layer outside 1..L.
+
+    Examples:
+        >>> from mist_core import Example, MistScorer, wrap_model
+        >>> from mist_core.distill.synthetic import build_tokenizer, tiny_llama, vocabulary_texts
+        >>> tokenizer = build_tokenizer(vocabulary_texts())  # word-level, no download
+        >>> lm = wrap_model(tiny_llama(tokenizer, layers=2, hidden=32), tokenizer, "tiny")
+        >>> ex = Example("Ann has 3 apples. She buys 4 more apples. How many apples does Ann "
+        ...              "have?", "She buys 4 more, so 3 + 4 = 7.", "7", id="ann")
+        >>> scorer = MistScorer(lm, alpha=0.5, layer_weights="signed", max_memory="1GB")
+        >>> [chain] = scorer.score([ex])
+        >>> chain.scores.shape, chain.layers.tolist(), chain.layer_weights.shape
+        ((12,), [1, 2], (2,))
+        >>> chain.log_likelihood < 0, chain.nochain_log_likelihood < 0
+        (True, True)
+        >>> MistScorer(lm, axes=("necessity",)).method
+        'necessity'
+        >>> MistScorer(lm, layers=[3])
+        Traceback (most recent call last):
+        ...
+        ValueError: layers must be block numbers in 1..2, not [3]
+    """
 
     method = "mist"
 
