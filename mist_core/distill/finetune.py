@@ -178,8 +178,8 @@ def finetune(model: str | LM, records: Iterable[dict], output_dir: str | os.Path
     folder is a plain model either way. Under torch.distributed (Ray Train) every process
     trains its shard and only the first saves. A model folder's own Python code runs only
     with trust_remote_code. gradient_checkpointing (TRL's default) recomputes the blocks'
-    activations in the backward pass: less memory for a large model, about 30% more time
-    (the testbed's tiny models turn it off). Returns the folder."""
+    activations in the backward pass: less memory for a large model, more time (the
+    testbed's tiny models turn it off). Returns the folder."""
     from datasets import Dataset
 
     try:

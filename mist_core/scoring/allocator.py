@@ -21,9 +21,9 @@ _MMAP_MAX_DEFAULT, _MMAP_THRESHOLD_MAX = 65536, 32 * 2**20
 # once, at its first allocation): each CPU allocation of 2 MB or more is advised to take
 # transparent huge pages (PyTorch's THP_MEM_ALLOC_ENABLE). A recomputed pass maps each
 # of its large tensors anew (freed_to_the_system); with 4 KB pages that mapping is most of
-# its system time, with huge pages about a sixth of the page faults, for the same peak
-# (figures in docs/results/performance.md). The Ray jobs start their CPU model actors with
-# it; a library user sets it in the shell.
+# its system time, with huge pages far fewer page faults, for the same peak (measured in
+# docs/results/performance.md). The Ray jobs start their CPU model actors with it; a library
+# user sets it in the shell.
 CPU_SCORING_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 
 
@@ -40,11 +40,11 @@ def freed_to_the_system(device: torch.device, threshold: int = 2**20):
     pages of its own, and they go back to the system when the tensor is freed. By default
     glibc serves allocations of up to 32 MiB from its heaps, where a recomputed pass's
     many same-sized tensors, freed and made again block after block, leave pieces the next
-    one does not fit into: on SmolLM2 at 7.7k tokens the peak RSS beyond the model came out
-    anywhere from 0.78 to 1.43 GiB from run to run, and 0.33 GiB with this (for ~14 % more
-    time with 4 KB pages, the pages being mapped anew; nothing measurable with huge pages,
-    CPU_SCORING_ENV). Afterwards the threshold is 32 MiB, the most
-    glibc's own adjustment reaches."""
+    one does not fit into: the peak RSS beyond the model then varies widely from run to run,
+    and with this it is steady and far lower, for some more time with 4 KB pages (the pages
+    are mapped anew) and none measurable with huge pages (CPU_SCORING_ENV); measured in
+    docs/results/performance.md. Afterwards the threshold is 32 MiB, the most glibc's own
+    adjustment reaches."""
     libc = _glibc_of(device)
     if libc is None:
         yield
@@ -62,10 +62,10 @@ def keep_freed(device: torch.device) -> None:
     next allocation instead of going back to the system, as PyTorch's CUDA allocator keeps
     freed memory on a GPU; `release` gives it back. glibc gives every allocation over
     32 MiB, and anything freed at the top of its heap, back at once, so each stored pass
-    mapped its saved activations anew: at 4k tokens on SmolLM2 45-190k page faults and
-    5-7 CPU seconds of system time a scoring, against next to none with this (the next
-    pass reuses the pages, huge pages included), and 0.91-0.95 of the wall time in one
-    process (figures in docs/results/performance.md). The process then holds what its largest pass took:
+    mapped its saved activations anew: a long chain's scoring took page faults by the
+    hundred thousand and seconds of system time, against next to none with this (the next
+    pass reuses the pages, huge pages included), and less wall time (measured in
+    docs/results/performance.md). The process then holds what its largest pass took:
     stored passes are planned within max_memory, and a recomputed one gives everything
     back before it starts (freed_to_the_system), since its peak is what a cap bounds."""
     libc = _glibc_of(device)

@@ -4,24 +4,24 @@ without a graph so that a recomputed pass's rerun of a block skips its attention
 
 - Even threads. PyTorch's CPU flash-attention backward divides its work by batch row and
   key/value head: a grouped-query model with 3 key/value heads (SmolLM2-135M) leaves one of
-  2 threads idle a third of the time, a quarter of the threads' time over a 4k-token
-  scoring. Here a long causal attention's backward runs as two calls of that kernel, each
-  over twice the pieces: the two causal halves of the sequence stacked in one, the queries
-  of the second half against the keys of the first (two quarters, stacked) in the other,
-  with the full attention's output and log-sum-exp, so each piece's gradients are its share
-  of the whole and they add up to them (`split_backward`). With one batch row, as long
-  chains run, the pieces are views: copying them cost a tenth of the backward at 4k.
+  2 threads waiting while the other works on the third, much of the threads' idle time in a
+  long scoring (measured in docs/results/performance.md). Here a long causal attention's
+  backward runs as two calls of that kernel, each over twice the pieces: the two causal
+  halves of the sequence stacked in one, the queries of the second half against the keys of
+  the first (two quarters, stacked) in the other, with the full attention's output and
+  log-sum-exp, so each piece's gradients are its share of the whole and they add up to them
+  (`split_backward`). With one batch row, as long chains run, the pieces are views: copying
+  them cost a visible share of the backward.
 - Live rows. A model's last block reaches only the answer's logits, so its output gradient
   is zero at every other position; its backward runs only the answer's queries: one of the L - 1
   attention backwards of a pass, nearly free.
 - Kept outputs. A recomputed backward (mist_core.scoring.passes) runs each block twice: once
   without a graph to get the states, once with one just before the block's own backward.
-  On long chains attention is most of that rerun (on SmolLM2 at 4k tokens, 5.1 of an
-  11.2-s forward). Its backward needs only the queries, keys and values, which the rerun
-  recomputes cheaply, and the output and log-sum-exp of the first forward, which is what
-  is kept: one position's output is one state's worth of memory (heads × head_dim), so a
-  pass keeps it for as many of the top blocks as its memory cap leaves room for
-  (`Plan.attention_kept`).
+  On long chains attention is most of that rerun (docs/results/performance.md). Its
+  backward needs only the queries, keys and values, which the rerun recomputes cheaply, and
+  the output and log-sum-exp of the first forward, which is what is kept: one position's
+  output is one state's worth of memory (heads × head_dim), so a pass keeps it for as many
+  of the top blocks as its memory cap leaves room for (`Plan.attention_kept`).
 
 - Grouped heads under a mask. Where a pass continues a prefix cache it needs a mask, and
   there transformers repeats a grouped-query model's keys and values to every query head
@@ -45,9 +45,9 @@ _fused_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_f
                           None)
 NAME = "mist_cpu_sdpa"  # the transformers attention implementation registered here
 _ACTIVE: ContextVar["Kept | None"] = ContextVar("mist_kept_attention", default=None)
-# Query positions from which a backward is split: below, the copies cost about what the
-# idle threads do (one layer of SmolLM2 on 2 threads: ~10% less time at 2k and 4k
-# positions, within noise at 512 and 1k, 46% more at 256).
+# Query positions from which a backward is split: below, the split saves nothing or costs
+# time, above it saves (one layer's backward timed from 256 to 4k positions in
+# docs/results/performance.md).
 SPLIT_FROM = 1024
 
 

@@ -54,8 +54,8 @@ class Footprint:
         activations and gradients and its temporaries. Recomputed: the states and the kept
         attention outputs, plus one block's saved activations and its temporaries, which
         bound the gradients in flight (a block's backward frees each saved tensor once it
-        is used: on SmolLM2 at 4k tokens the block's share of the measured peak was 37 KB
-        a token against 29 KB saved, before mist_core.scoring.swiglu). With `mlp_pieces` the
+        is used: the block's share of the measured peak is well under twice what it saves;
+        docs/results/performance.md, "A measured footprint"). With `mlp_pieces` the
         MLP's part is counted once per pass, for one piece (in `need`), not per position."""
         if not plan.recompute:
             return self.stored + 2 * self.block + self.transient + self.mlp_transient

@@ -4,8 +4,9 @@ transformers' gated MLPs compute down(act(gate(x)) · up(x)). Under autograd the
 keeps both of its factors for the backward, and the activation keeps its input: three
 tensors of the MLP's width a position, where the derivative needs two (the activation's
 input and the up projection; act(gate) is cheap to compute again). The MLP's width is most
-of a block's activations: on SmolLM2 in fp32 a stored pass's block keeps 22.6 KB a position
-this way against 28.6 (and a recomputed pass's block rerun, or MLP piece, as much less)."""
+of a block's activations, so a stored pass's block keeps one tensor of that width a position
+fewer (and a recomputed pass's block rerun, or MLP piece, as much less; the sizes on SmolLM2
+in docs/results/performance.md)."""
 from __future__ import annotations
 
 import functools

@@ -222,10 +222,10 @@ def similar_lengths(lengths: list[int], waste: float = 0.05) -> list[list[int]]:
 
 
 # What a batch costs beyond its padded positions, in positions: each batch's passes, hooks
-# and small operations. On a CPU measured: SmolLM2-135M-Instruct on 2 threads scoring n
-# copies of one GSM8K chain took 0.27-0.30 s a batch beyond its positions, 80-100 positions'
-# worth. On a GPU an estimate, not yet measured: tens of milliseconds of kernel launches and
-# Python a batch against tens of microseconds a position for a 1.5B model.
+# and small operations. On a CPU measured, by scoring n copies of one GSM8K chain with
+# SmolLM2-135M-Instruct (docs/results/performance.md, "Batches cut where padding costs more
+# than a batch"). On a GPU an estimate, not yet measured: tens of milliseconds of kernel
+# launches and Python a batch against tens of microseconds a position for a 1.5B model.
 BATCH_OVERHEAD = {"cpu": 96, "cuda": 1024}
 
 
@@ -238,9 +238,9 @@ def length_batches(lengths: list[int], max_tokens: int, max_batch: int,
                    overhead: int = BATCH_OVERHEAD["cpu"]) -> list[list[int]]:
     """Indices in batches of similar length: sorted by length and cut where the padded
     positions, plus `overhead` positions a batch, add up least, each batch within max_batch
-    examples and max_tokens padded positions (a longer example than that goes alone). Filling
-    each batch in turn pads the scorer's passes over GSM8K's first 64 test chains by 24%
-    (three batches); cut here (SmolLM2, on a CPU), by 7.5% (seven)."""
+    examples and max_tokens padded positions (a longer example than that goes alone): far
+    less padding than filling each batch in turn (GSM8K, measured in
+    docs/results/performance.md)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     sizes = [lengths[i] for i in order]
     cost = [0.0] + [math.inf] * len(sizes)  # cost[j]: the j shortest, batched at best

@@ -123,8 +123,8 @@ def worker(spec: dict) -> dict:
     if hasattr(scorer, "footprint") and kwargs:
         scorer.footprint  # measured before the peak is reset: a one-off at load time
     if spec["what"] == "time":
-        # On a virtual machine the hypervisor takes CPU time from a run at random (here up to
-        # a quarter of it, in spells of minutes): the CPU seconds this process used and the
+        # On a virtual machine the hypervisor takes CPU time from a run at random (in spells;
+        # docs/results/performance.md): the CPU seconds this process used and the
         # seconds stolen meanwhile are kept beside the wall time, so that a run can be read
         # with the stolen time left out.
         forward(), score()  # warm-up
@@ -144,8 +144,8 @@ def worker(spec: dict) -> dict:
                    stolen_runs=steal)
         out["forward_equivalents"] = out["score_s"] / out["forward_s"]
         # each scoring against the mean of the forwards just before and after it: where the
-        # machine's speed drifts from repeat to repeat (here by up to a fifth over a few
-        # minutes, in CPU seconds too), like is compared with like
+        # machine's speed drifts from repeat to repeat (in CPU seconds too; how much:
+        # docs/results/performance.md), like is compared with like
         out["forward_equivalents_paired"] = statistics.median(
             s / ((a + b) / 2) for s, a, b in zip(ts, tf, tf[1:]))
         # the fastest repeat of each: what the machine's noise, which only adds time, touched least

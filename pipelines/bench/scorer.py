@@ -158,9 +158,8 @@ def bench(args) -> dict:
     batches = scorer.forward_batches(encoded)
     warm = batches[:1]
     # The forwards run on freed memory kept in the process, as the scorer's stored passes
-    # do: with glibc's defaults each forward maps its logits anew (GSM8K, 64 chains, 4 KB
-    # pages: 0.2-1.9M page faults and 0.7-3 s of system time a fair forward), which would
-    # flatter the scorer.
+    # do: with glibc's defaults each forward maps its logits anew (page faults and seconds of
+    # system time a forward: docs/results/performance.md), which would flatter the scorer.
     allocator.keep_freed(lm.device)
     t_fwd = timed(lambda: plain_forward(lm, encoded, batches, head=True), args.repeats, args.device,
                   lambda: plain_forward(lm, encoded, warm, head=True))

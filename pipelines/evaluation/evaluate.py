@@ -47,7 +47,8 @@ _SAME = ("input", "adapter", "columns", "model", "methods", "budgets", "sample",
 def default_exact_layers(n_layers: int) -> list[int]:
     """Three blocks, at a quarter, half and three quarters of the depth: exact
     interventions rerun every block above the edited one, so deep layers are cheap and
-    shallow ones dear, and all 30 of SmolLM2's would cost ~100 s per chain."""
+    shallow ones dear, and all of a model's would cost many first-order scorings per chain
+    (docs/results/performance.md)."""
     return sorted({min(n_layers, max(1, round(n_layers * q))) for q in (0.25, 0.5, 0.75)})
 
 

@@ -36,8 +36,8 @@ from ..common.sources import Input, check_submitted_paths, read_raw, resolve_inp
 log = logging.getLogger("pipelines.compress")
 TASK_MEMORY = 512 * 1024**2  # bytes per read/tokenize task: a tokenizer and a block of rows
 # Rows per scoring call, in forward batches: a call packs its rows by length into forward
-# passes, and a larger call packs better (SmolLM2 on 2 CPUs: 1.46 chains/s with calls of 32
-# rows, 1.8-2.2 with calls of 256; docs/results/performance.md).
+# passes, and a larger call packs better (measured in docs/results/performance.md, "Bigger
+# actor calls").
 CALL_BATCHES = 8
 
 
