@@ -72,10 +72,10 @@ def first_order(lm, enc, alpha=0.6, ablation="zero", layer_weights="signed"):
         for i, t in enumerate(range(cs, ce)):
             phi[l - 1, i] = float(g_src[l - 1][t] @ (h[l][t] - base))
             psi[l - 1, i] = float(g_tgt[l - 1][f] @ (h[l][t] - h_t_f[l - 1]))
-    def eq7(terms):  # clipped: max(c̄, 0), the signed c̄ where that leaves every token 0
-        clipped = (np.maximum(cbar, 0)[:, None] * np.abs(terms)).sum(0)
-        if layer_weights == "clipped" and np.any(clipped != 0):
-            return clipped
+    def eq7(terms):  # clipped: max(c̄, 0), |c̄| where that leaves every token 0
+        if layer_weights == "clipped":
+            clipped = (np.maximum(cbar, 0)[:, None] * np.abs(terms)).sum(0)
+            return clipped if np.any(clipped != 0) else (np.abs(cbar)[:, None] * np.abs(terms)).sum(0)
         return (cbar[:, None] * np.abs(terms)).sum(0)
 
     nec, suf = eq7(phi), eq7(psi)

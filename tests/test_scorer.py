@@ -51,9 +51,12 @@ def test_mean_ablation_equals_plain_autograd_fp64(tiny_lm64, examples, share_pre
     for ex, got, paper in zip(examples, scorer.score(examples), zero):
         ref = first_order(tiny_lm64, scorer.encode(ex), ablation="mean",
                           layer_weights=scorer.layer_weights)
-        for name in ["necessity_per_layer", "necessity", "sufficiency", "scores"]:
+        for name in ["necessity_per_layer", "necessity", "sufficiency"]:
             np.testing.assert_allclose(getattr(got, name), ref[name], rtol=1e-5, atol=1e-9,
                                        err_msg=name)
+        # the scores are z-scores of those two axes (necessity's in log space), so they
+        # agree to what the axes do: 1e-5 relative, absolute near a score of 0
+        np.testing.assert_allclose(got.scores, ref["scores"], rtol=1e-5, atol=1e-6)
         assert np.abs(got.necessity_per_layer - paper.necessity_per_layer).max() > 1e-4
     with pytest.raises(ValueError, match="ablation"):
         MistScorer(tiny_lm64, ablation="median")
@@ -71,8 +74,8 @@ def test_clipped_layer_weights_drop_the_layers_that_count_against(tiny_lm64, exa
         c = ref["layer_weights"]
         for axis in ("necessity", "sufficiency"):
             want = (np.maximum(c, 0)[:, None] * np.abs(ref[f"{axis}_per_layer"])).sum(0)
-            if not want.any():  # clipping left no signal: the signed weights stand
-                want = ref[axis]
+            if not want.any():  # clipping left no signal: the layers weigh by |c̄|
+                want = (np.abs(c)[:, None] * np.abs(ref[f"{axis}_per_layer"])).sum(0)
             np.testing.assert_allclose(getattr(got, axis), want, rtol=1e-5, atol=1e-9, err_msg=axis)
         np.testing.assert_allclose(got.layer_weights, paper.layer_weights, rtol=1e-10)
         negative += (ref["layer_weights"] < 0).any()
@@ -81,16 +84,17 @@ def test_clipped_layer_weights_drop_the_layers_that_count_against(tiny_lm64, exa
         MistScorer(tiny_lm64, layer_weights="absolute")
 
 
-def test_clipping_every_layer_away_leaves_the_signed_weights():
+def test_clipping_every_layer_away_weighs_the_layers_by_magnitude():
     """Where clipped weights would score every token 0 (no positive c̄, or only the last
     block's, whose chain states never reach the answer), a flat axis would be pruned by
-    position: the paper's signed weights stand instead."""
+    position; the signed weights, all ≤ 0 there, would rank the biggest effects last: the
+    layers weigh by |c̄| instead."""
     import torch
 
     from mist_core.scoring.scorer import eq7
 
     terms = np.array([[1.0, -2.0, 3.0], [0.5, 0.0, -1.0], [0.0, 0.0, 0.0]])
-    for cbar, clipped in (([-1.0, -0.5, 3.0], [-1.25, -2.0, -3.5]),  # signed: nothing left
+    for cbar, clipped in (([-1.0, -0.5, 3.0], [1.25, 2.0, 3.5]),  # |c̄|: nothing left
                           ([-1.0, 2.0, 3.0], [1.0, 0.0, 2.0])):
         cbar = np.array(cbar)
         np.testing.assert_allclose(eq7(terms, cbar, "clipped"), clipped)
