@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from mist_core import Example, MistScorer, get_adapter, prune
-from mist_core.scoring.prune import (NUMBER, UNITS, budget_tokens, cut_numbers, merge_spans,
-                                     prune_scores, pruning_units, token_pieces, word_units)
+from mist_core.scoring.prune import (NUMBER, OPERATORS, UNITS, budget_tokens, cut_numbers,
+                                     merge_spans, prune_scores, pruning_units, token_pieces,
+                                     word_units)
 
 
 def _is_subsequence(kept: str, original: str) -> bool:
@@ -107,6 +108,49 @@ def test_keep_digits_forces_number_tokens():
     [digits] = prune(ex, scored, budgets=[0.5], keep_digits=True)
     assert plain.text == "we add and"
     assert digits.text == "we 12 7" and digits.kept_tokens == 3
+
+
+def test_facts_first_takes_numbers_and_operators_within_the_budget():
+    ex = Example("q?", "we add 12 + 7 = 19 here", "19")
+    offsets = np.array([[0, 2], [2, 6], [6, 9], [9, 11], [11, 13], [13, 15], [15, 18], [18, 23]])
+    scores = np.array([5.0, 4.0, -1.0, -3.0, 0.0, -2.0, 1.0, 3.0])
+    scored = SimpleNamespace(scores=scores, chain_offsets=offsets)
+    [plain] = prune(ex, scored, budgets=[0.5])
+    assert plain.text == "we add 19 here"
+    [facts] = prune(ex, scored, budgets=[0.5], facts_first=True)
+    assert facts.text == "12 7 = 19" and facts.kept_tokens == 4  # the best 4 of 5 facts
+    [more] = prune(ex, scored, budgets=[0.75], facts_first=True)  # every fact, then the best word
+    assert more.text == "we 12 + 7 = 19" and more.kept_tokens == 6
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.text(alphabet="ab12 .,=+\n", min_size=1, max_size=4), min_size=1, max_size=30),
+       st.floats(0.01, 1.0), st.sampled_from(UNITS), st.integers(0, 2**31))
+def test_facts_first_on_random_chains(pieces, budget, unit, seed):
+    """Within the budget as without it; no unit without a fact is kept while a fact unit
+    that would have fitted in its place is dropped; numbers stay whole."""
+    cot = "".join(pieces)
+    if not cot.strip():
+        return
+    offsets = np.cumsum([0] + [len(p) for p in pieces])
+    offsets = np.stack([offsets[:-1], offsets[1:]], 1)
+    scores = np.random.default_rng(seed).normal(size=len(pieces))
+    ex = Example("q", cot, "a")
+    scored = SimpleNamespace(scores=scores, chain_offsets=offsets)
+    [c] = prune(ex, scored, [budget], unit=unit, facts_first=True)
+    [plain] = prune(ex, scored, [budget], unit=unit)
+    k = budget_tokens(budget, len(pieces))
+    assert c.kept_tokens <= max(k, plain.kept_tokens)
+    assert cut_numbers(cot, offsets, c.kept) == 0
+    units = np.unique(pruning_units(cot, offsets, unit), return_inverse=True)[1]
+    sizes = np.bincount(units)
+    fact = np.bincount(units, weights=[bool(re.search(r"\d", p)) or p.strip() in OPERATORS
+                                       for p in pieces]) > 0
+    kept_units = np.unique(units[c.kept])
+    dropped_facts = [u for u in np.unique(units) if fact[u] and u not in kept_units]
+    if any(not fact[u] for u in kept_units):
+        assert all(sizes[u] > k - c.kept_tokens + sum(sizes[v] for v in kept_units if not fact[v])
+                   for u in dropped_facts)
 
 
 @settings(max_examples=60, deadline=None)

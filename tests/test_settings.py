@@ -105,8 +105,8 @@ def test_the_scoring_actor_builds_the_scorer_the_settings_name(model_dir):
 
 
 def test_a_refresh_keeps_the_layer_weights_of_the_output():
-    """Rows scored with other layer weights are not mixed into an output; an output from
-    before the setting holds the paper's (signed) weights."""
+    """Rows scored with other layer weights (or pruned otherwise) are not mixed into an
+    output; an output from before a setting holds what was done before it."""
     from types import SimpleNamespace
 
     from pipelines.job.compress import check_compatible
@@ -128,6 +128,12 @@ def test_a_refresh_keeps_the_layer_weights_of_the_output():
     check_compatible(JobConfig(budgets=[0.5], method="h2o"), "m", h2o, out)  # not h2o's setting
     empty = SimpleNamespace(methods=set(), models=set(), budgets=set(), manifest=None)
     check_compatible(clipped, "m", empty, out)  # a new output takes any
+    # An output from before facts_first ranked every unit by score: facts_first off.
+    facts = JobConfig(budgets=[0.5], facts_first=True)
+    with pytest.raises(ConfigError, match="facts_first False vs True"):
+        check_compatible(facts, "m", existing({"layer_weights": "clipped"}), out)
+    check_compatible(facts, "m", existing({"layer_weights": "clipped", "facts_first": True}), out)
+    check_compatible(facts, "m", empty, out)
 
 
 def test_one_builder_makes_every_registered_scorer(tiny_lm):

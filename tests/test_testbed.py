@@ -197,8 +197,14 @@ def test_oracle_variants_and_controls_prune_as_defined(problems, word_tokenizer)
     lm = wrap_model(tiny_llama(word_tokenizer, layers=2, hidden=32), word_tokenizer, "t")
     chains = [{**p.row(), "source_id": p.id} for p in problems[:4]]
     methods = ["oracle", "oracle_near", "oracle_cue", "head", "hybrid", "mist_alpha",
-               "mist_equation", "mist_mean"]
+               "mist_equation", "mist_mean", "mist_clipped", "mist_facts"]
     compressed, kept = score_and_prune(lm, chains, methods, seed=0)
+    for g in ("0.5", "0.7"):  # the numbers and operators first: no less of the ground truth
+        assert kept["mist_facts"][g]["recall"] >= kept["mist_clipped"][g]["recall"]
+    for c in chains:
+        for g in (0.5, 0.7):
+            facts, plain = compressed["mist_facts"][c["id"]][g], compressed["mist_clipped"][c["id"]][g]
+            assert len(re.findall(r"\d+|[-+*=]", facts)) >= len(re.findall(r"\d+|[-+*=]", plain))
     for oracle in ("oracle", "oracle_near", "oracle_cue"):
         assert kept[oracle]["0.5"]["recall"] == 1.0 and kept[oracle]["0.5"]["equals"] == 1.0
     for c in chains:  # oracle_cue keeps each step's cue verb with its equation
@@ -234,6 +240,39 @@ def test_oracle_variants_and_controls_prune_as_defined(problems, word_tokenizer)
     hybrid = _scored("hybrid", lm, encoded, None, 0, cache)
     for h, m, a in zip(hybrid, cache["mist_clipped"], cache["h2o"]):
         np.testing.assert_allclose(h.scores, 0.5 * zscore(m.scores) + 0.5 * zscore(np.log(a.scores)))
+
+
+def test_a_stored_seed_is_not_scored_again(tmp_path, monkeypatch):
+    """A seed whose arms and kept shares are all stored (a resumed or re-rendered run) is
+    returned as stored, without scoring; an arm added to it scores that method alone."""
+    from pipelines.loop import testbed
+
+    root = tmp_path / "seed0"
+    root.mkdir()
+    arms = {a: {"budgets": {"1.0": {"accuracy": 0.5}}, "train_seconds": 1.0}
+            for a in list(testbed.CONTROLS) + ["h2o"]}
+    sizes = testbed.Sizes(mix="per_budget")
+    state = {"sizes": json.loads(json.dumps(testbed.asdict(sizes))),
+             "target": {"accuracy": 0.7}, "arms": arms, "kept": {"h2o": {}}}
+    (root / "results.json").write_text(json.dumps(state))
+    chain = {"correct": True, "finished": True}
+    monkeypatch.setattr(testbed, "train_target", lambda *a: None)
+    monkeypatch.setattr(testbed, "phase0", lambda *a, **k: [chain])
+    monkeypatch.setattr(testbed, "shortest_of_k", lambda *a: {})
+    scored = []
+
+    def score_and_prune(lm, chains, methods, seed, unit):
+        scored.append(list(methods))
+        return {m: {} for m in methods}, {m: {"0.5": {}} for m in methods}
+
+    monkeypatch.setattr(testbed, "score_and_prune", score_and_prune)
+    monkeypatch.setattr(testbed, "run_per_budget", lambda arm, *a: {
+        "budgets": {"0.5": {"accuracy": 0.1}}, "train_seconds": 2.0})
+    out = testbed.run_seed(0, sizes, ["h2o"], tmp_path, None)
+    assert scored == [] and out["arms"] == arms
+    out = testbed.run_seed(0, sizes, ["h2o", "uniform"], tmp_path, None)
+    assert scored == [["uniform"]] and set(out["kept"]) == {"h2o", "uniform"}
+    assert out["arms"]["uniform"]["train_seconds"] == 2.0
 
 
 def test_the_default_arm_against_the_others_and_the_line(tmp_path):

@@ -20,6 +20,9 @@ NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 _TERM = r"\(*[$€£]?\d+(?:[.,]\d+)*%?\)*"
 EQUATION = re.compile(rf"{_TERM}(?:\s*[-+*/×÷^]\s*{_TERM})+(?:\s*=\s*{_TERM})+")
 UNITS = ("token", "word", "equation")
+# An arithmetic operator standing alone (a token's or a word's whole text): with the numbers,
+# the facts facts_first keeps ahead of the words around them.
+OPERATORS = frozenset("+-*/=×÷^")
 
 
 @dataclass
@@ -156,13 +159,15 @@ def cut_numbers(cot: str, offsets: np.ndarray, kept: np.ndarray) -> int:
     return cut
 
 
-def _select(unit_scores: np.ndarray, unit_sizes: np.ndarray, forced: np.ndarray, k: int) -> np.ndarray:
-    """Highest-scoring units first while the token count stays within k; forced units
-    always; the best unit where none fits (a chain of one long number). Ties go to the
-    earlier unit."""
+def _select(unit_scores: np.ndarray, unit_sizes: np.ndarray, forced: np.ndarray, k: int,
+            first: np.ndarray | None = None) -> np.ndarray:
+    """Highest-scoring units first while the token count stays within k (the `first` units
+    ahead of all others, best first among them); forced units always; the best unit where
+    none fits (a chain of one long number). Ties go to the earlier unit."""
     chosen = forced.copy()
     count = int(unit_sizes[chosen].sum())
-    for u in np.argsort(-unit_scores, kind="stable"):
+    first = np.zeros(len(unit_scores), bool) if first is None else first
+    for u in np.lexsort((np.arange(len(unit_scores)), -unit_scores, ~first)):
         if chosen[u]:
             continue
         if count + unit_sizes[u] <= k:
@@ -176,14 +181,17 @@ def _select(unit_scores: np.ndarray, unit_sizes: np.ndarray, forced: np.ndarray,
 
 
 def prune(example: Example, scored, budgets: Sequence[float] = (0.5,), unit: str = "token",
-          keep_digits: bool = False) -> list[Compressed]:
+          keep_digits: bool = False, facts_first: bool = False) -> list[Compressed]:
     """For each budget γ keep ⌈γ·T⌉ chain tokens with the highest scores, in original order.
 
     A unit (pruning_units) scores the mean of its tokens' scores; units are taken best first
     while they fit the token budget, so a unit is never cut and a number never loses a
     digit. unit="token" keeps exactly ⌈γ·T⌉ tokens unless only multi-token numbers are left
     to fill the last places; "word" and "equation" keep at most that many. keep_digits keeps
-    every unit with a digit whatever its score (it may then exceed the budget).
+    every unit with a digit whatever its score (it may then exceed the budget). facts_first
+    takes the units that hold a number or are an arithmetic operator (`+ - * / = × ÷ ^`)
+    before any other, best first, within the budget: the score then decides which words
+    around the facts stay (LLMLingua-2's force_reserve_digit, kept to the budget).
 
     Args:
         example: the example whose chain (`example.cot`) is pruned.
@@ -194,6 +202,7 @@ def prune(example: Example, scored, budgets: Sequence[float] = (0.5,), unit: str
             each equation's operands, operators and results one unit); at every unit a
             number is one unit.
         keep_digits: keep every unit with a digit, whatever its score.
+        facts_first: take the units with a number or an operator first, within the budget.
 
     Returns:
         One Compressed per budget, in the order of `budgets`.
@@ -220,12 +229,20 @@ def prune(example: Example, scored, budgets: Sequence[float] = (0.5,), unit: str
         >>> [c] = prune(ex, chain, budgets=(0.5,), unit="equation", keep_digits=True)
         >>> c.kept_tokens, c.text
         (7, '4 3 + 4 = 7.')
+
+        With facts_first the numbers and operators go first, within the budget:
+
+        >>> [c] = prune(ex, chain, budgets=(0.5,), facts_first=True)
+        >>> c.kept_tokens, c.text
+        (6, '4 3 + 4 = 7')
     """
-    return prune_scores(example, scored.scores, scored.chain_offsets, budgets, unit, keep_digits)
+    return prune_scores(example, scored.scores, scored.chain_offsets, budgets, unit, keep_digits,
+                        facts_first)
 
 
 def prune_scores(example: Example, scores, offsets, budgets: Sequence[float] = (0.5,),
-                 unit: str = "token", keep_digits: bool = False) -> list[Compressed]:
+                 unit: str = "token", keep_digits: bool = False,
+                 facts_first: bool = False) -> list[Compressed]:
     """prune() on per-token `scores` [T] and the chain tokens' character `offsets` [T, 2]
     (any scorer's, or scores of one's own).
 
@@ -233,7 +250,7 @@ def prune_scores(example: Example, scores, offsets, budgets: Sequence[float] = (
         example: the example whose chain is pruned.
         scores: [T] one score per chain token, higher kept first.
         offsets: [T, 2] each chain token's character span in `example.cot`.
-        budgets, unit, keep_digits: as in prune.
+        budgets, unit, keep_digits, facts_first: as in prune.
 
     Returns:
         One Compressed per budget.
@@ -260,9 +277,11 @@ def prune_scores(example: Example, scores, offsets, budgets: Sequence[float] = (
     unit_scores = np.bincount(units, weights=scores, minlength=n_units) / sizes
     digit = np.array([bool(_DIGIT.search(p)) for p in pieces]) if keep_digits else np.zeros(T, bool)
     forced = np.bincount(units, weights=digit, minlength=n_units) > 0
+    fact = np.array([bool(_DIGIT.search(p)) or p.strip() in OPERATORS for p in pieces])
+    first = np.bincount(units, weights=fact, minlength=n_units) > 0 if facts_first else None
     out = []
     for budget in budgets:
-        chosen = _select(unit_scores, sizes, forced, budget_tokens(budget, T))
+        chosen = _select(unit_scores, sizes, forced, budget_tokens(budget, T), first)
         kept = chosen[units]
         text = "".join(p for p, k in zip(pieces, kept) if k).strip()
         out.append(Compressed(budget=float(budget), kept=kept, text=text))

@@ -154,10 +154,11 @@ def check_compatible(cfg: JobConfig, model_name: str, existing: Existing, out: O
     if "sft_format" in before:  # an output from before a format was renamed
         before["sft_format"] = sft_format_name(before["sft_format"])
     now = cfg.to_dict()
-    if before:  # an output from before the setting was made with the paper's weights
-        before.setdefault("layer_weights", "signed")
-    for key in ("adapter", "columns", "unit", "alpha", "keep_digits", "template", "dtype",
-                "sft_format", "sft_mix", "seed", "layer_weights"):
+    if before:  # an output from before a setting was made as it was then: the paper's
+        before.setdefault("layer_weights", "signed")  # weights, every unit ranked by score
+        before.setdefault("facts_first", False)
+    for key in ("adapter", "columns", "unit", "alpha", "keep_digits", "facts_first", "template",
+                "dtype", "sft_format", "sft_mix", "seed", "layer_weights"):
         if key == "layer_weights" and cfg.method not in MIST_FAMILY:
             continue  # weighs MIST's layers only
         if key in before and before[key] != now[key]:

@@ -287,7 +287,8 @@ class ScoreActor:
 
 def prune_batch(batch: pa.Table, *, cfg: JobConfig) -> pa.Table:
     """Scores -> one compressed chain per budget. Score arrays travel on only when the
-    scores/ output was asked for. Settings: cfg's budgets, unit, keep_digits, scores."""
+    scores/ output was asked for. Settings: cfg's budgets, unit, keep_digits, facts_first,
+    scores."""
     budgets, unit, keep_digits, with_scores = cfg.budgets, cfg.unit, cfg.keep_digits, cfg.scores
     rows = batch.to_pylist()
     for row in rows:
@@ -297,7 +298,8 @@ def prune_batch(batch: pa.Table, *, cfg: JobConfig) -> pa.Table:
             ex = Example(row["question"], row["cot"], row["answer"], id=row["id"])
             offsets = np.asarray(row["chain_offsets"], np.int64).reshape(-1, 2)
             try:
-                chains = prune_scores(ex, row["scores"], offsets, budgets, unit, keep_digits)
+                chains = prune_scores(ex, row["scores"], offsets, budgets, unit, keep_digits,
+                                      cfg.facts_first)
             except Exception as e:
                 _reject(row, PRUNE_ERROR, f"{type(e).__name__}: {e}")
                 row["raw"] = json.dumps({"id": row["id"], "question": row["question"],

@@ -47,7 +47,7 @@ log = logging.getLogger("pipelines.loop.testbed")
 
 METHODS = ("mist", "necessity", "sufficiency", "h2o", "crisp", "perplexity", "gogi_l1", "uniform",
            "tail", "head", "mist_clipped", "mist_mean", "mist_equation", "mist_alpha", "hybrid",
-           "oracle", "oracle_near", "oracle_cue")
+           "mist_facts", "h2o_facts", "oracle", "oracle_near", "oracle_cue")
 # Not scorers: `head` keeps the first tokens (truncation), `tail` the last; `oracle` keeps the
 # generator's ground truth (operands, operators, results) and the equations' `=` first, then
 # random tokens up to ⌈γT⌉: the ceiling for any scorer. `oracle_near` fills with the tokens
@@ -69,6 +69,8 @@ VARIANTS = {"mist": ("mist", {"layer_weights": "signed"}),  # the paper's MIST a
             # clipped weights, α chosen on a validation slice by Eq. 1 (ALPHAS)
             "mist_alpha": ("mist", {"layer_weights": "clipped"})}
 UNIT_OF = {"mist_equation": "equation"}
+# Another method's scores, pruned with the numbers and operators first (prune's facts_first).
+FACTS_OF = {"mist_facts": "mist_clipped", "h2o_facts": "h2o"}
 ALPHAS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 ALPHA_SLICE = 60  # Phase 0 chains α is chosen on
 # hybrid: 0.5·z(mist_clipped) + 0.5·z(log h2o), MIST with the attention signal that keeps
@@ -221,7 +223,8 @@ def score_and_prune(lm, chains: list[dict], methods, seed: int, unit: str = "tok
             if isinstance(sc, InvalidExample):  # not trained on: every method loses the same
                 log.warning("%s: chain %s not scored: %s", method, enc.example.id, sc)
                 continue
-            kept = prune(enc.example, sc, budgets=TRAIN_BUDGETS, unit=UNIT_OF.get(method, unit))
+            kept = prune(enc.example, sc, budgets=TRAIN_BUDGETS, unit=UNIT_OF.get(method, unit),
+                         facts_first=method in FACTS_OF)
             out[enc.example.id] = {c.budget: c.text for c in kept}
             if ok:
                 for c in kept:
@@ -271,6 +274,8 @@ def _scored(method: str, lm, encoded, labels: dict, seed: int, cache: dict) -> l
                                            + 1e-3 * rng.random(e.chain_len))
                   for e, n, q, k in zip(encoded, labels["needed"], labels["equals"],
                                         labels["cues"])]
+    elif method in FACTS_OF:
+        scored = _scored(FACTS_OF[method], lm, encoded, labels, seed, cache)
     elif method == "hybrid":
         a, b, w = HYBRID
         scored = [x if not isinstance(x, ScoredChain) else y if not isinstance(y, ScoredChain)
@@ -441,12 +446,14 @@ def run_seed(seed: int, sizes: Sizes, methods, work: Path, tok) -> dict:
     state["phase0"] = {"sampled": len(samples), "kept": len(chains)}
     if not chains:
         raise SystemExit(f"seed {seed}: the target got no Phase 0 question right")
-    compressed, kept = score_and_prune(target, chains, [m for m in methods], seed, sizes.unit)
+    arms = state.setdefault("arms", {})
+    # Only what is not stored is scored: a resumed or re-rendered seed costs no scoring.
+    todo = [m for m in methods if m not in arms or m not in state.get("kept", {})]
+    compressed, kept = score_and_prune(target, chains, todo, seed, sizes.unit) if todo else ({}, {})
     shortest = shortest_of_k(target, pool, chains, sizes, seed, root / "phase0_k.json")
-    state["kept"] = kept
+    state["kept"] = {**state.get("kept", {}), **kept}
     _save_json(state_path, state)
 
-    arms = state.setdefault("arms", {})
     for arm in list(CONTROLS) + list(methods):
         if arm in arms:
             continue
