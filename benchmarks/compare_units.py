@@ -8,6 +8,7 @@ Arms (method × unit, every budget):
   `subword` (the top ⌈γT⌉ tokens, each token alone: this project's token unit before numbers
   were made whole; SmolLM2 writes a digit a token, so `16` could become `1`) and at
   mist_core.scoring.prune's `token`, `word` and `equation` units (numbers whole in each);
+- `facts`: the word unit with the numbers and operators taken first (prune's facts_first);
 - at the job's default unit (`word`): CRISP, MIST with clipped weights and mean ablation,
   and the hybrid 0.5·z(mist clipped) + 0.5·z(log h2o).
 Measures per chain: numbers cut (kept in part), tokens kept, the Eq. 1 drop
@@ -15,7 +16,8 @@ LL(c) − LL(c') in nats, the greedy answer's accuracy, intermediate results kep
 equations kept whole; and over all chains Eq. 1 retention Σ(LL(c') − LL(∅)) / Σ(LL(c) − LL(∅))
 (a ratio of sums: a chain whose answer barely needs its chain would swamp a mean of ratios).
 95% bootstrap intervals over chains, the same draws for every arm, so differences are
-paired. Writes <out>/units.json (per-chain values too) and <out>/units.md."""
+paired. Writes <out>/units.json (per-chain values too) and <out>/units.md (--stem names
+them otherwise)."""
 from __future__ import annotations
 
 import argparse
@@ -41,14 +43,16 @@ SCORERS = {"mist": ("mist", {"layer_weights": "signed"}), "mist_clipped": ("mist
            "mist_mean": ("mist", {"layer_weights": "clipped", "ablation": "mean"})}
 UNIT_METHODS = ("mist", "mist_clipped", "h2o")  # at every unit
 WORD_METHODS = ("crisp", "mist_mean", "hybrid")  # at the job's default unit only
-ALL_UNITS = ("subword",) + UNITS
+ALL_UNITS = ("subword",) + UNITS + ("facts",)
 MEASURES = ("numbers_cut", "kept", "drop", "accuracy", "results", "equations")
 PAIRS = [((m, "equation"), (m, "word")) for m in UNIT_METHODS] + \
         [((m, "word"), (m, "token")) for m in UNIT_METHODS] + \
         [((m, "token"), (m, "subword")) for m in UNIT_METHODS] + \
         [((m, "word"), ("mist", "word")) for m in ("mist_clipped", "h2o") + WORD_METHODS] + \
         [((m, "word"), ("h2o", "word")) for m in ("mist_clipped", "mist_mean", "hybrid", "crisp")] + \
-        [((m, "word"), ("mist_clipped", "word")) for m in ("mist_mean", "hybrid")]
+        [((m, "word"), ("mist_clipped", "word")) for m in ("mist_mean", "hybrid")] + \
+        [((m, "facts"), (m, "word")) for m in UNIT_METHODS] + \
+        [(("mist_clipped", "facts"), ("h2o", u)) for u in ("facts", "word")]
 
 
 def arms(units) -> list[tuple[str, str]]:
@@ -78,8 +82,10 @@ def measure_chain(lm, enc, scores: dict, budgets, arms) -> dict:
         if unit == "subword":
             for g in budgets:
                 masks[f"{method}/{unit}/{g}"] = subword_mask(s, g)
-        else:
-            for c in prune_scores(enc.example, s, offsets, budgets, unit):
+        else:  # facts: words, the numbers and operators first
+            for c in prune_scores(enc.example, s, offsets, budgets,
+                                  "word" if unit == "facts" else unit,
+                                  facts_first=unit == "facts"):
                 masks[f"{method}/{unit}/{c.budget}"] = c.kept
     ev = evaluate_chain(lm, enc, masks, "gsm8k")
     n_results = ev["_chain"]["results"]
@@ -142,7 +148,9 @@ def render(result: dict, budgets) -> str:
              f"{head['numbers']} numbers, {head['model']}, {head['seconds']:.0f} s).* "
              "Means over chains with [95% bootstrap intervals]; Eq. 1 retention is the ratio of "
              "sums over chains. `subword` is the old token unit (each token alone); `token`, `word` "
-             "and `equation` are `mist_core.scoring.prune`'s units, numbers whole in each.", "",
+             "and `equation` are `mist_core.scoring.prune`'s units, numbers whole in each."
+             + (" `facts` is the word unit with the numbers and operators taken first "
+                "(`facts_first`)." if "facts" in head["units"] else ""), "",
              "| method | unit | γ | numbers cut | tokens kept % | Eq. 1 drop, nats | Eq. 1 retention % "
              "| accuracy % | results kept % | equations kept % |", "|---|---|---|---|---|---|---|---|---|---|"]
     for method, unit in arms(head["units"]):
@@ -169,6 +177,7 @@ def main(argv=None) -> int:
     p.add_argument("--units", default=",".join(ALL_UNITS),
                    help=f"comma-separated, of {', '.join(ALL_UNITS)}")
     p.add_argument("--out", default="docs/results")
+    p.add_argument("--stem", default="units", help="<out>/<stem>.json and <stem>.md")
     p.add_argument("--summarise", metavar="UNITS_JSON",
                    help="no scoring: the tables again from a run's stored per-chain values")
     a = p.parse_args(argv)
@@ -204,8 +213,8 @@ def main(argv=None) -> int:
     result["chains"] = per_chain
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "units.json").write_text(json.dumps(result, indent=None) + "\n")
-    (out / "units.md").write_text(render(result, budgets))
+    (out / f"{a.stem}.json").write_text(json.dumps(result, indent=None) + "\n")
+    (out / f"{a.stem}.md").write_text(render(result, budgets))
     print(render(result, budgets))
     return 0
 

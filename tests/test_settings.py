@@ -69,6 +69,9 @@ def test_yaml_flags_and_python_agree(tmp_path):
     job = compress.parse_args(["--input", "a.jsonl", "--gpus-per-actor", "auto",
                                "--max-memory", "1GB", "--sft-format", "chat"])
     assert job == JobConfig(input=["a.jsonl"], max_memory=2**30, sft_format="messages")
+    # a switch on by default is turned off by --no-<flag>, and stays on without it
+    assert job.facts_first and not compress.parse_args(["--no-facts-first"]).facts_first
+    assert compress.parse_args(["--facts-first", "--keep-digits"]).facts_first
 
 
 def test_settings_are_frozen_whole_values():
@@ -120,16 +123,18 @@ def test_a_refresh_keeps_the_layer_weights_of_the_output():
     clipped = JobConfig(budgets=[0.5])
     with pytest.raises(ConfigError, match="layer_weights 'signed' vs 'clipped'"):
         check_compatible(clipped, "m", existing({"unit": "word"}), out)
-    check_compatible(clipped, "m", existing({"layer_weights": "clipped"}), out)
-    check_compatible(JobConfig(budgets=[0.5], layer_weights="signed"), "m",
+    check_compatible(clipped, "m", existing({"layer_weights": "clipped", "facts_first": True}),
+                     out)
+    check_compatible(JobConfig(budgets=[0.5], layer_weights="signed", facts_first=False), "m",
                      existing({"unit": "word"}), out)
     h2o = SimpleNamespace(methods={"h2o"}, models={"m"}, budgets={0.5},
-                          manifest={"config": {"layer_weights": "signed"}})
+                          manifest={"config": {"layer_weights": "signed", "facts_first": True}})
     check_compatible(JobConfig(budgets=[0.5], method="h2o"), "m", h2o, out)  # not h2o's setting
     empty = SimpleNamespace(methods=set(), models=set(), budgets=set(), manifest=None)
     check_compatible(clipped, "m", empty, out)  # a new output takes any
     # An output from before facts_first ranked every unit by score: facts_first off.
-    facts = JobConfig(budgets=[0.5], facts_first=True)
+    facts = JobConfig(budgets=[0.5])
+    assert facts.facts_first
     with pytest.raises(ConfigError, match="facts_first False vs True"):
         check_compatible(facts, "m", existing({"layer_weights": "clipped"}), out)
     check_compatible(facts, "m", existing({"layer_weights": "clipped", "facts_first": True}), out)

@@ -384,8 +384,8 @@ def build_parser(kind: type[Kit], prog: str, description: str, epilog: str = ""
             help += " (required)"
         kwargs: dict[str, Any] = {"help": help}
         choices = extra.get("choices")
-        if info.annotation is bool:
-            kwargs["action"] = "store_true"
+        if info.annotation is bool:  # one on by default is turned off by --no-<flag>
+            kwargs["action"] = argparse.BooleanOptionalAction if info.default else "store_true"
         elif isinstance(choices, tuple):
             kwargs["choices"] = tuple(c for c in choices if c is not None) + (
                 tuple(SFT_ALIASES) if name == "sft_format" else ())  # None: the flag not given

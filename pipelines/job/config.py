@@ -57,9 +57,10 @@ class JobConfig(Settings, RemoteCode):
         group="scoring", choices=LAYER_WEIGHTS)
     keep_digits: bool = setting(False, "always keep tokens with digits (may exceed the budget)",
                                 group="scoring")
-    facts_first: bool = setting(False, "keep the numbers and arithmetic operators before any "
+    facts_first: bool = setting(True, "keep the numbers and arithmetic operators before any "
                                 "other word, within the budget; the scores pick the words "
-                                "around them", group="scoring")
+                                "around them (on by default: the models trained on such chains "
+                                "answer better, docs/results/downstream.md)", group="scoring")
     batch_size: int = setting(32, "chains per forward pass; a scoring actor takes 8 times as "
                               "many rows per call and packs them by length",
                               group="resources", metavar="N")
