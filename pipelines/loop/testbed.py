@@ -638,7 +638,10 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
         f"and `shortest_of_k` (each question's shortest correct chain of {sizes.shortest_k} "
         "samples by the target). `head` keeps the first ⌈γT⌉ tokens (truncation), `tail` the "
         "last; `uniform` a random ⌈γT⌉; `oracle` the ground truth and the `=` signs, filled "
-        "to ⌈γT⌉ with random tokens, `oracle_near` filled with the tokens nearest them.",
+        "to ⌈γT⌉ with random tokens, `oracle_near` filled with the tokens nearest them, "
+        "`oracle_cue` oracle_near with the chain's start and each step's cue verb in the "
+        "ground truth too (a writer's ceiling). `mist_facts` and `h2o_facts`: mist_clipped's "
+        "and h2o's scores, pruned with the numbers and operators first (`facts_first`).",
         f"- Phase 3: greedy answers on {sizes.test} new test questions under each γ (the "
         "controls under 1.0). *Chain tokens*: tokens the model writes before `The answer is`.",
         "- *Precision / recall*: of the chain tokens a method keeps at γ in the Phase 0 corpus "
@@ -689,7 +692,8 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
                 mi = t_interval(margins)
                 lines.append(f"| {arm} | {g:g} | {_fmt(mi, 100)} | {ahead(mi)} |")
     lines += ["", "![accuracy against chain tokens](downstream.png)"]
-    for variant, (base, _) in VARIANTS.items():
+    pairs = [(v, base) for v, (base, _) in VARIANTS.items()] + list(FACTS_OF.items())
+    for variant, base in pairs:
         if variant != base and variant in methods and base in methods:
             lines += ["", f"### {variant} − {base}, paired by seed", "",
                       "| γ | accuracy, points | chain tokens |", "|---|---|---|"]
