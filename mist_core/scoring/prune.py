@@ -275,10 +275,13 @@ def prune_scores(example: Example, scores, offsets, budgets: Sequence[float] = (
     n_units = int(units.max()) + 1
     sizes = np.bincount(units, minlength=n_units)
     unit_scores = np.bincount(units, weights=scores, minlength=n_units) / sizes
-    digit = np.array([bool(_DIGIT.search(p)) for p in pieces]) if keep_digits else np.zeros(T, bool)
-    forced = np.bincount(units, weights=digit, minlength=n_units) > 0
-    fact = np.array([bool(_DIGIT.search(p)) or p.strip() in OPERATORS for p in pieces])
-    first = np.bincount(units, weights=fact, minlength=n_units) > 0 if facts_first else None
+
+    def holding(piece_test) -> np.ndarray:  # bool [n_units]: a piece of the unit passes
+        passed = [bool(piece_test(p)) for p in pieces]
+        return np.bincount(units, weights=passed, minlength=n_units) > 0
+
+    forced = holding(_DIGIT.search) if keep_digits else np.zeros(n_units, bool)
+    first = holding(lambda p: _DIGIT.search(p) or p.strip() in OPERATORS) if facts_first else None
     out = []
     for budget in budgets:
         chosen = _select(unit_scores, sizes, forced, budget_tokens(budget, T), first)
