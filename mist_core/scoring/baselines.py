@@ -13,7 +13,7 @@ import torch
 
 from ..data.templates import Encoded
 from ..errors import MissingDependency
-from ..models import LM
+from ..models import LM, check_reachable
 from .passes import Plan, residual_pass
 from .scorer import BackpropScorer, ScoredChain, Scorer
 from .tracing import pad, run_base, span_logprobs
@@ -169,6 +169,8 @@ class LLMLingua2Scorer(Scorer):
         try:
             from transformers import AutoModelForTokenClassification, AutoTokenizer
 
+            # out of reach, transformers would retry for about a minute before failing
+            check_reachable(classifier)
             # a classifier's own Python never runs: the one TokenSkip uses needs none
             self.cls_tok = AutoTokenizer.from_pretrained(classifier, trust_remote_code=False)
             self.cls_model = AutoModelForTokenClassification.from_pretrained(
