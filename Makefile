@@ -6,6 +6,9 @@ BIN := $(VENV)/bin
 # The CPU build of torch; on a GPU machine pass e.g. TORCH="torch" to take the CUDA build.
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# Test processes (pytest-xdist); each takes whole files, so a file's Ray, S3 server and models
+# are started once. Each runs torch on one thread (tests/conftest.py): 2 keep 2 cores busy.
+TEST_JOBS ?= 2
 
 .PHONY: demo test test-fast eval-full clean
 
@@ -21,11 +24,11 @@ demo: $(STAMP)
 	$(BIN)/python -m pipelines.compress
 
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile
 
 # The library's unit tests only: no Ray, S3 server, subprocess job or SmolLM2 (see pyproject's markers).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow and not integration"
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile -m "not slow and not integration"
 
 # Everything behind docs/results (about 85 min on 2 CPU cores); resumes what is stored.
 eval-full: $(STAMP)

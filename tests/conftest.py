@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import types
 
 import pytest
@@ -113,25 +114,66 @@ def model_with_code(path, tokenizer, monkeypatch):
     rows.template_for.cache_clear()
 
 
-@contextlib.contextmanager
-def loopback_ray():
-    """A local Ray with 2 CPUs on the loopback address, for a module's `local_ray` fixture
-    (start it after setting any variables its workers must inherit). Ray swaps 127.0.0.1 for
-    the machine's outward address unless told the cluster is single-machine (the flag is
-    read at import, hence the patch)."""
+def _start_loopback_ray() -> None:
+    """A local Ray with 2 CPUs on the loopback address. Ray swaps 127.0.0.1 for the machine's
+    outward address unless told the cluster is single-machine (the flag is read at import,
+    hence the patch, undone when this Ray stops)."""
     import ray
     from ray._private import ray_constants
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+    patch = pytest.MonkeyPatch()
+    patch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    patch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+    try:
         ray.init(address="local", num_cpus=2, include_dashboard=False,
                  _node_ip_address="127.0.0.1")
-        try:
-            assert [n["NodeManagerAddress"] for n in ray.nodes()] == ["127.0.0.1"]
-            yield
-        finally:
-            ray.shutdown()
+        assert [n["NodeManagerAddress"] for n in ray.nodes()] == ["127.0.0.1"]
+    except BaseException:
+        patch.undo()
+        raise
+    _RAY_PATCH.append(patch)
+
+
+_RAY_PATCH: list = []  # the running loopback Ray's patch, undone when it stops
+
+
+def stop_loopback_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    while _RAY_PATCH:
+        _RAY_PATCH.pop().undo()
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """The loopback Ray the in-process job tests share: started by the first test that asks
+    for it and kept for the rest of the session (of each xdist worker), since starting Ray
+    and warming its workers costs more than most of those tests. A module whose workers must
+    inherit variables (the S3 ones) takes its own with `loopback_ray`."""
+    import ray
+
+    if not ray.is_initialized():
+        _start_loopback_ray()
+    yield
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if "ray" in sys.modules:
+        stop_loopback_ray()
+
+
+@contextlib.contextmanager
+def loopback_ray():
+    """A loopback Ray of the caller's own, started after the variables its workers must
+    inherit are set (the shared one, if up, is stopped first) and stopped on leaving."""
+    stop_loopback_ray()
+    _start_loopback_ray()
+    try:
+        yield
+    finally:
+        stop_loopback_ray()
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2"])

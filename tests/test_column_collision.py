@@ -57,8 +57,7 @@ def test_property_every_extra_value_is_kept_or_the_row_rejected(extra):
 
 
 @pytest.mark.integration
-def test_the_job_rejects_a_colliding_row_and_reconciles(tmp_path, model_dir):
-    from conftest import loopback_ray
+def test_the_job_rejects_a_colliding_row_and_reconciles(local_ray, tmp_path, model_dir):
     from pipelines.job import compress
     from pipelines.common import storage
     from pipelines.job.config import JobConfig
@@ -69,10 +68,9 @@ def test_the_job_rejects_a_colliding_row_and_reconciles(tmp_path, model_dir):
             ROW | {"id": "clash", "budget": "b", "input_budget": "ib"},
             ROW | {"id": "ok2", "input_budget": "only"}]
     corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with loopback_ray():
-        manifest = compress.run(validate(JobConfig(
-            input=[str(corpus)], output=str(tmp_path / "out"), model=str(model_dir),
-            budgets=[0.5], unit="token", batch_size=4)))
+    manifest = compress.run(validate(JobConfig(
+        input=[str(corpus)], output=str(tmp_path / "out"), model=str(model_dir),
+        budgets=[0.5], unit="token", batch_size=4)))
     c = manifest["counts"]
     assert (c["read"], c["scored"], c["rejected"]) == (3, 2, 1)
     fs, root, _ = storage.filesystem(str(tmp_path / "out" / "rejects"))

@@ -358,14 +358,6 @@ def questions(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    from conftest import loopback_ray
-
-    with loopback_ray():
-        yield
-
-
 def mist(*argv) -> int:
     from pipelines.cli import main
 

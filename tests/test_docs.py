@@ -24,7 +24,6 @@ from unittest import mock
 import pytest
 import yaml
 
-from conftest import loopback_ray
 from pipelines.cli import COMMANDS
 from mist_core.data.demo import demo_corpus
 
@@ -266,7 +265,7 @@ def test_venv_block_runs_as_written():
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory, model_dir):
+def workdir(local_ray, tmp_path_factory, model_dir):
     """A folder like the checkout after the demo: outputs/demo written by the job (tiny
     model, with scores/ and one reject), outputs/gsm8k with alpaca records."""
     from pipelines.job import compress
@@ -277,12 +276,11 @@ def workdir(tmp_path_factory, model_dir):
     corpus = work / "corpus.jsonl"
     rows = demo_corpus(6, seed=5) + [{"id": "no-chain", "question": "q", "answer": "1"}]
     corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with loopback_ray():
-        for out, kw in (("outputs/demo", {"scores": True}),
-                        ("outputs/gsm8k", {"sft_format": "alpaca"})):
-            compress.run(validate(JobConfig(input=[str(corpus)], output=str(work / out),
-                                            model=str(model_dir), budgets=[0.5, 0.8],
-                                            batch_size=8, **kw)))
+    for out, kw in (("outputs/demo", {"scores": True}),
+                    ("outputs/gsm8k", {"sft_format": "alpaca"})):
+        compress.run(validate(JobConfig(input=[str(corpus)], output=str(work / out),
+                                        model=str(model_dir), budgets=[0.5, 0.8],
+                                        batch_size=8, **kw)))
     return work
 
 

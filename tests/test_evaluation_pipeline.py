@@ -19,13 +19,8 @@ METHODS = [m for m in ALL_METHODS if m != "llmlingua2"]  # needs the hub: not in
 
 
 @pytest.fixture(scope="module", autouse=True)
-def own_ray():
-    """The harness starts an in-process Ray; shut it down so later modules can start theirs."""
-    import ray
-
-    yield
-    if ray.is_initialized():
-        ray.shutdown()
+def shared_ray(local_ray):
+    """The harness runs on the session's loopback Ray (conftest.local_ray)."""
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
-from conftest import loopback_ray
 from mist_core.data.demo import demo_corpus
 from mist_core.data.examples import stable_id
 from mist_core.data.formats import extra_value, kinds_type, value_kind
@@ -32,13 +31,6 @@ from pipelines.job.config import JobConfig
 from pipelines.common.settings import validate
 
 BUDGETS = [0.5, 0.8]
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    """A local Ray on loopback for the module (conftest.loopback_ray)."""
-    with loopback_ray():
-        yield
 
 
 def config(corpus, output, model_dir) -> JobConfig:

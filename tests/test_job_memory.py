@@ -5,18 +5,11 @@ import json
 
 import pytest
 
-from conftest import loopback_ray
 from mist_core import Example, MistScorer, load_model
 from pipelines.job import compress
 from pipelines.common import storage
 
 pytestmark = pytest.mark.integration  # the job on a local Ray
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    with loopback_ray():
-        yield
 
 
 def read_dir(out, sub):

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import loopback_ray, make_model
+from conftest import make_model
 from mist_core import InvalidExample, get_adapter, get_template
 from mist_core.data.examples import stable_id
 from mist_core.data.longcot import split_thinking
@@ -333,12 +333,6 @@ def test_think_template_scores(qwen3_tok, examples):
 # ------------------------------------------------------------------ the job, end to end
 
 BUDGETS = "0.5,0.8"
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    with loopback_ray():
-        yield
 
 
 @pytest.fixture(scope="module")

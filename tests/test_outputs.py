@@ -12,7 +12,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import loopback_ray
 from mist_core.data.demo import demo_corpus
 from mist_core.data.formats import (DATA_COLUMNS, REJECT_SCHEMA, directive, llamafactory_entry,
                                     sft_records)
@@ -23,12 +22,6 @@ from pipelines.common.sources import RAW_SCHEMA
 from pipelines.job.stages import REJECT, prepare_batch
 
 BUDGETS = [0.5, 0.8]
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    with loopback_ray():
-        yield
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

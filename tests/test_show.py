@@ -232,10 +232,9 @@ def test_long_chains_are_aligned_a_window_at_a_time(monkeypatch, window):
 
 
 @pytest.mark.integration  # the compression job on a local Ray
-def test_show_on_a_job_output(tmp_path, model_dir, capsys):
+def test_show_on_a_job_output(local_ray, tmp_path, model_dir, capsys):
     """What the job writes, shown: the counts are the manifest's, the bad line is a reject,
     and each budget's marks keep exactly its compressed chain."""
-    from conftest import loopback_ray
     from pipelines.job import compress as job
     from pipelines.job.config import JobConfig
     from pipelines.common.settings import validate
@@ -243,10 +242,9 @@ def test_show_on_a_job_output(tmp_path, model_dir, capsys):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps(r) + "\n" for r in demo_corpus(5, seed=9)) + "{oops\n")
     out = tmp_path / "out"
-    with loopback_ray():
-        manifest = job.run(validate(JobConfig(input=[str(corpus)], output=str(out),
-                                              model=str(model_dir), budgets=BUDGETS,
-                                              batch_size=8)))
+    manifest = job.run(validate(JobConfig(input=[str(corpus)], output=str(out),
+                                          model=str(model_dir), budgets=BUDGETS,
+                                          batch_size=8)))
     capsys.readouterr()  # the job's progress lines
     assert show.main([str(out)]) == 0
     text = capsys.readouterr().out
