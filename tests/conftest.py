@@ -146,12 +146,21 @@ def stop_loopback_ray() -> None:
         _RAY_PATCH.pop().undo()
 
 
+@pytest.fixture
+def no_ray():
+    """For a test of code that starts and stops Ray itself: the shared loopback Ray, if an
+    earlier module of this xdist worker left it up, is stopped first."""
+    stop_loopback_ray()
+    yield
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     """The loopback Ray the in-process job tests share: started by the first test that asks
-    for it and kept for the rest of the session (of each xdist worker), since starting Ray
-    and warming its workers costs more than most of those tests. A module whose workers must
-    inherit variables (the S3 ones) takes its own with `loopback_ray`."""
+    for it and kept for the rest of the session (of each xdist worker), not started again for
+    each module. A module whose workers must inherit variables (the S3 ones) takes its own
+    with `loopback_ray`; a test whose error path shuts Ray down (exits.run_main) leaves the
+    next module to start it again."""
     import ray
 
     if not ray.is_initialized():

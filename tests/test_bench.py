@@ -84,7 +84,7 @@ def test_synthetic_chains_are_consistent():
 
 
 @pytest.mark.integration
-def test_pipeline_over_bare_runs_the_job_on_the_same_chains(tmp_path, model_dir):
+def test_pipeline_over_bare_runs_the_job_on_the_same_chains(tmp_path, model_dir, no_ray):
     """The --pipeline measurement on a tiny model: both sides score every chain."""
     import ray
 

@@ -37,6 +37,9 @@ def cluster():
     from ray._private import ray_constants
     from ray.cluster_utils import Cluster
 
+    from conftest import stop_loopback_ray
+
+    stop_loopback_ray()  # the job must join this cluster, not a Ray an earlier module left up
     with pytest.MonkeyPatch.context() as mp:
         # The node processes inherit these: single-machine (loopback) nodes, and scoring
         # batches slow enough that the run is still going when a node is removed.

@@ -329,7 +329,8 @@ def run(cfg: JobConfig) -> dict:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_disjoint(r.inputs, r.out)
-    # Load the tokenizer here first: a wrong --model fails now, with a plain message.
+    r.out.check_target()  # storage first: refused keys or a missing bucket cost no model load
+    # Load the tokenizer before Ray: a wrong --model fails now, with a plain message.
     from mist_core.models import check_reachable, resolve
 
     try:
@@ -339,7 +340,6 @@ def run(cfg: JobConfig) -> dict:
     except (OSError, ValueError) as e:
         raise ConfigError(one_line(f"cannot load the tokenizer of --model {cfg.model}: {e}")
                           ) from None
-    r.out.check_target()
     # One writer per output, from before the first write to after the manifest: a second
     # run refuses here, before it starts Ray (lease.py).
     held = lease.acquire(r.out, r.run_id)
