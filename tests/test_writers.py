@@ -270,11 +270,14 @@ def test_output_that_is_a_file_fails_before_scoring(model_dir, tmp_path, capsys)
 
 @pytest.mark.integration
 def test_ctrl_c_is_one_line_and_exit_130_and_the_rerun_resumes(model_dir, tmp_path):
-    ids = corpus(tmp_path / "in.jsonl", 24)
+    ids = corpus(tmp_path / "in.jsonl", 48)
     out = tmp_path / "out"
     cmd = command(tmp_path / "in.jsonl", out, model_dir, "--batch-size", "1",
                   "--rows-per-file", "2")
-    proc = start(cmd, tmp_path / "first.log", MIST_FAULT_SLEEP_S="0.5")
+    # Scoring calls of 8 rows, 2 s each; the writer gets blocks of 12 rows: the first
+    # files land about 4 s into scoring, with about 8 s of it left for the Ctrl-C to land
+    # in (0.5 s calls left 1 s, which a loaded machine missed: the run finished first).
+    proc = start(cmd, tmp_path / "first.log", MIST_FAULT_SLEEP_S="2")
     deadline = time.monotonic() + 180
     while not list((out / "data").glob("*.parquet")):
         assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
@@ -292,7 +295,7 @@ def test_ctrl_c_is_one_line_and_exit_130_and_the_rerun_resumes(model_dir, tmp_pa
                            timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     c = json.loads((out / "_manifest.json").read_text())["counts"]
-    assert c["already_done"] > 0 and c["scored"] + c["already_done"] == 24
+    assert c["already_done"] > 0 and c["scored"] + c["already_done"] == 48
     data = [pq.read_table(f, columns=["id", "budget"]) for f in (out / "data").glob("*.parquet")]
     assert pairs(data) == Counter((i, b) for i in ids for b in BUDGETS)
 
