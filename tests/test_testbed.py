@@ -275,6 +275,36 @@ def test_a_stored_seed_is_not_scored_again(tmp_path, monkeypatch):
     assert out["arms"]["uniform"]["train_seconds"] == 2.0
 
 
+def test_seeds_in_parallel_share_one_target_trained_first(tmp_path, monkeypatch):
+    """--jobs 2: the shared target is trained once, before any seed starts; each seed runs
+    once in the pool and is yielded as it finishes; --jobs 1 runs them here, in order."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pipelines.loop import testbed
+
+    events = []
+    monkeypatch.setattr(testbed, "train_target",
+                        lambda tok, problems, sizes, seed, path: events.append(("target", path)))
+    monkeypatch.setattr(testbed, "target_problems", lambda sizes, seed: [])
+    monkeypatch.setattr(testbed, "_pool", lambda workers, context: ThreadPoolExecutor(workers))
+
+    def seed_in_worker(seed, sizes, methods, work, threads):
+        time.sleep(0.3 * (2 - seed))  # seed 1 finishes before seed 0
+        events.append(("seed", seed))
+        return seed, {"seed": seed}
+
+    monkeypatch.setattr(testbed, "_seed_in_worker", seed_in_worker)
+    got = list(testbed.each_seed(range(2), testbed.Sizes(), ["h2o"], tmp_path, None, jobs=2))
+    assert sorted(got, key=lambda x: x[0]) == [(0, {"seed": 0}), (1, {"seed": 1})]
+    assert events[0] == ("target", tmp_path / "target") and len(events) == 3
+    assert [s for s, _ in got] == [1, 0]  # as they finish
+
+    monkeypatch.setattr(testbed, "run_seed", lambda seed, *a: {"here": seed})
+    assert list(testbed.each_seed(range(2), testbed.Sizes(), [], tmp_path, None)) == \
+        [(0, {"here": 0}), (1, {"here": 1})]
+
+
 def test_the_default_arm_against_the_others_and_the_line(tmp_path):
     from pipelines.loop.testbed import DEFAULT_ARM, line_margin, plot, render, Sizes
 

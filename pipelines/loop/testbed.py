@@ -407,6 +407,20 @@ def run_per_budget(arm: str, target: Path, chains: list[dict], compressed: dict,
     return out
 
 
+def target_of(seed: int, sizes: Sizes, work: Path) -> tuple[int, Path]:
+    """The seed and folder of the target that `seed` fine-tunes: one for all seeds, or its own."""
+    if sizes.shared_target:
+        return 0, work / "target"
+    return seed, work / f"seed{seed}" / "target"
+
+
+def target_problems(sizes: Sizes, target_seed: int):
+    from mist_core.distill.synthetic import make_problems
+
+    return make_problems(sizes.target_train, seed=10_000 * target_seed + 1, prefix="a",
+                         n_steps=sizes.n_steps)
+
+
 def run_seed(seed: int, sizes: Sizes, methods, work: Path, tok) -> dict:
     """Everything of one seed; what is stored under work/seed<N> is reused."""
     from mist_core.distill.generation import solve
@@ -422,10 +436,8 @@ def run_seed(seed: int, sizes: Sizes, methods, work: Path, tok) -> dict:
         raise ConfigError(f"{root} holds a run with other sizes; use another --work")
     state["sizes"] = settings
     # Disjoint sets: the target never trained on a Phase 0 or test question.
-    target_seed = 0 if sizes.shared_target else seed
-    target_dir = work / "target" if sizes.shared_target else root / "target"
-    train = make_problems(sizes.target_train, seed=10_000 * target_seed + 1, prefix="a",
-                          n_steps=sizes.n_steps)
+    target_seed, target_dir = target_of(seed, sizes, work)
+    train = target_problems(sizes, target_seed)
     pool = make_problems(sizes.phase0, seed=10_000 * seed + 2, prefix="b", n_steps=sizes.n_steps,
                          exclude=[p.question for p in train])
     test = make_problems(sizes.test, seed=10_000 * seed + 3, prefix="t", n_steps=sizes.n_steps,
@@ -743,9 +755,12 @@ class TestbedConfig(Kit):
     work: str | None = setting(None, "models and per-seed state, reused by a rerun (default: "
                                "$MIST_CACHE/testbed, ~/.cache/mist/testbed without it)",
                                group="output", metavar="DIR", shown="")
-    threads: int = setting(1, "torch threads", group="resources", metavar="N")
+    threads: int = setting(1, "torch threads (of each process)", group="resources",
+                           metavar="N")
+    jobs: int = setting(1, "seeds run at once, each in its own process (one per core)",
+                        group="resources", metavar="N")
 
-    _positive = positive("seeds", "threads", "corpus")
+    _positive = positive("seeds", "threads", "corpus", "jobs")
     _methods = field_validator("methods", mode="before")(
         classmethod(lambda cls, v: v if v is None else [str(m) for m in listed(v) if str(m)]))
 
@@ -755,6 +770,55 @@ class TestbedConfig(Kit):
             raise ConfigError(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
         if self.ft_epochs is not None and not self.ft_epochs > 0:
             raise ConfigError("ft_epochs must be > 0")
+
+
+def each_seed(seeds, sizes: Sizes, methods, work: Path, tok, jobs: int = 1, threads: int = 1):
+    """Yield (seed, its state) as each seed finishes: in this process, or with `jobs` > 1
+    in that many processes at once, `threads` torch threads each. A shared target is
+    trained here first, so that no two seeds train it at once."""
+    seeds = list(seeds)
+    if jobs <= 1 or len(seeds) <= 1:
+        for seed in seeds:
+            yield seed, run_seed(seed, sizes, methods, work, tok)
+        return
+    if sizes.shared_target:
+        target_seed, target_dir = target_of(seeds[0], sizes, work)
+        train_target(tok, target_problems(sizes, target_seed), sizes, target_seed, target_dir)
+    import multiprocessing
+    from concurrent.futures import as_completed
+
+    # spawn: a forked torch (its thread pools, locks) is not safe to use in the child
+    with _pool(min(jobs, len(seeds)), multiprocessing.get_context("spawn")) as pool:
+        running = [pool.submit(_seed_in_worker, seed, sizes, methods, work, threads)
+                   for seed in seeds]
+        for done in as_completed(running):
+            yield done.result()
+
+
+def _pool(workers: int, context):
+    from concurrent.futures import ProcessPoolExecutor
+
+    return ProcessPoolExecutor(workers, mp_context=context)
+
+
+def _seed_in_worker(seed: int, sizes: Sizes, methods, work: Path, threads: int):
+    """One seed in a worker process of each_seed."""
+    import torch
+
+    from mist_core.distill.synthetic import build_tokenizer, vocabulary_texts
+
+    _quiet_logging()
+    torch.set_num_threads(threads)
+    return seed, run_seed(seed, sizes, methods, work, build_tokenizer(vocabulary_texts()))
+
+
+def _quiet_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    for noisy in ("transformers", "datasets", "trl", "accelerate"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    import datasets
+
+    datasets.disable_progress_bars()  # TRL maps each arm's records: one bar per map
 
 
 def main(argv: list[str] | None = None, prog: str = "mist testbed") -> int:
@@ -772,13 +836,9 @@ def main(argv: list[str] | None = None, prog: str = "mist testbed") -> int:
 
 def run(args: TestbedConfig, argv: list[str] | None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    for noisy in ("transformers", "datasets", "trl", "accelerate"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    import datasets
+    _quiet_logging()
     import torch
 
-    datasets.disable_progress_bars()  # TRL maps each arm's records: one bar per map
     torch.set_num_threads(args.threads)
     from mist_core.distill.synthetic import build_tokenizer, vocabulary_texts
     from mist_core.models import cache_root
@@ -800,8 +860,9 @@ def run(args: TestbedConfig, argv: list[str] | None) -> int:
                                                                    else list(argv)))
     tok = build_tokenizer(vocabulary_texts())
     results, t0 = {}, time.time()
-    for seed in range(seeds):
-        results[seed] = run_seed(seed, sizes, methods, work, tok)
+    for seed, state in each_seed(range(seeds), sizes, methods, work, tok, args.jobs,
+                                 args.threads):
+        results = dict(sorted({**results, seed: state}.items()))
         # run_seconds: this invocation's wall time (a resumed run skips what is stored)
         _save_json(out / "testbed.json", {"command": command, "sizes": asdict(sizes),
                                           "default_arm": DEFAULT_ARM,
