@@ -8,6 +8,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 # Test processes (pytest-xdist); each takes whole files, so a file's Ray, S3 server and models
 # are started once. Each runs torch on one thread (tests/conftest.py): 2 keep 2 cores busy.
+# --no-loadscope-reorder: files in conftest's order (the end-to-end ones first), not by test count.
 TEST_JOBS ?= 2
 
 .PHONY: demo test test-fast eval-full clean
@@ -24,11 +25,11 @@ demo: $(STAMP)
 	$(BIN)/python -m pipelines.compress
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
 # The library's unit tests only: no Ray, S3 server, subprocess job or SmolLM2 (see pyproject's markers).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile -m "not slow and not integration"
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder -m "not slow and not integration"
 
 # Everything behind docs/results (about 85 min on 2 CPU cores); resumes what is stored.
 eval-full: $(STAMP)

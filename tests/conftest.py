@@ -168,6 +168,16 @@ def local_ray():
     yield
 
 
+@pytest.hookimpl(trylast=True)  # after pytest groups the tests by their parametrized fixtures
+def pytest_collection_modifyitems(items):
+    """The files with end-to-end tests first: xdist hands out whole files in this order (make
+    test: --dist loadfile --no-loadscope-reorder; xdist's own order puts the files with the
+    most tests first, the many small unit tests, and the long single job runs last), so the
+    long runs start at once and the unit-test files fill the end. A stable sort."""
+    heavy = {item.path for item in items if item.get_closest_marker("integration")}
+    items.sort(key=lambda item: item.path not in heavy)
+
+
 def pytest_sessionfinish(session, exitstatus):
     if "ray" in sys.modules:
         stop_loopback_ray()
