@@ -235,11 +235,11 @@ def test_every_row_failing_stops_early_exits_5_and_a_rerun_redoes_them(model_dir
     input left in rejects/, and exits 0 (input-quality rejects never count)."""
     ids = job_corpus(tmp_path / "corpus.jsonl")
     out = tmp_path / "out"
-    # calls of 8 rows; each call takes 10 s more, so the second is still running when the
+    # calls of 8 rows; each call takes 3 s more, so the second is still running when the
     # first call's group commits and stops the run
     cmd = command(tmp_path / "corpus.jsonl", out, model_dir, "--batch-size", "1",
                   "--rows-per-file", "2")
-    p = run(cmd, MIST_FAULT_SCORE_ERROR=".*", MIST_FAULT_SLEEP_S="10")
+    p = run(cmd, MIST_FAULT_SCORE_ERROR=".*", MIST_FAULT_SLEEP_S="3")
     assert p.returncode == 5, p.stdout[-3000:] + p.stderr[-3000:]
     line = one_error_line(p)
     m = re.fullmatch(

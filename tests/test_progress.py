@@ -217,7 +217,7 @@ def log_tail(lines) -> str:
 
 @pytest.mark.integration
 def test_progress_lines_while_scoring(model_dir, tmp_path):
-    rc, lines = job(tmp_path, model_dir, "--progress-interval", "2", "--verbose", sleep="1")
+    rc, lines = job(tmp_path, model_dir, "--progress-interval", "2", "--verbose", sleep="0.5")
     assert rc == 0, log_tail(lines)
     # --verbose: Ray Data's own status blocks as well as the job's lines.
     assert any("Running Dataset" in text for _, text in lines), log_tail(lines)
@@ -237,7 +237,7 @@ def test_progress_lines_while_scoring(model_dir, tmp_path):
 def test_a_200_row_run_prints_progress_at_least_every_15_s(model_dir, tmp_path):
     """The issue's acceptance: rows done/total and ETA at least every 15 s (the default
     interval, 10 s), from the plan to the end of the run."""
-    rc, lines = job(tmp_path, model_dir, sleep="2.5")
+    rc, lines = job(tmp_path, model_dir, sleep="1.5")  # ~30 s of scoring: 2+ lines at 10 s
     assert rc == 0, log_tail(lines)
     # The default console: none of Ray's status blocks, none of its harmless ERROR lines.
     assert not any("Running Dataset" in t or "ERROR" in t or " E " in t for _, t in lines), \
