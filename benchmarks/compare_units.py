@@ -40,10 +40,14 @@ from mist_core.scoring.scorer import zscore  # noqa: E402
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 SCORERS = {"mist": ("mist", {"layer_weights": "signed"}), "mist_clipped": ("mist", {"layer_weights": "clipped"}),
            "h2o": ("h2o", {}), "crisp": ("crisp", {}),
-           "mist_mean": ("mist", {"layer_weights": "clipped", "ablation": "mean"})}
-UNIT_METHODS = ("mist", "mist_clipped", "h2o")  # at every unit
+           "mist_mean": ("mist", {"layer_weights": "clipped", "ablation": "mean"}),
+           # necessity of the answer and of the chain's own numbers and operators
+           "mist_writer": ("mist", {"layer_weights": "clipped", "target": "facts"}),
+           "necessity_writer": ("necessity", {"layer_weights": "clipped", "target": "facts"})}
+UNIT_METHODS = ("mist", "mist_clipped", "h2o", "mist_writer", "necessity_writer",
+                "writer_hybrid")  # at every unit
 WORD_METHODS = ("crisp", "mist_mean", "hybrid")  # at the job's default unit only
-ALL_UNITS = ("subword",) + UNITS + ("facts",)
+ALL_UNITS = ("subword",) + UNITS + ("facts", "equations")
 MEASURES = ("numbers_cut", "kept", "drop", "accuracy", "results", "equations")
 PAIRS = [((m, "equation"), (m, "word")) for m in UNIT_METHODS] + \
         [((m, "word"), (m, "token")) for m in UNIT_METHODS] + \
@@ -52,13 +56,19 @@ PAIRS = [((m, "equation"), (m, "word")) for m in UNIT_METHODS] + \
         [((m, "word"), ("h2o", "word")) for m in ("mist_clipped", "mist_mean", "hybrid", "crisp")] + \
         [((m, "word"), ("mist_clipped", "word")) for m in ("mist_mean", "hybrid")] + \
         [((m, "facts"), (m, "word")) for m in UNIT_METHODS] + \
-        [(("mist_clipped", "facts"), ("h2o", u)) for u in ("facts", "word")]
+        [(("mist_clipped", "facts"), ("h2o", u)) for u in ("facts", "word")] + \
+        [((w, u), (m, u)) for w in ("mist_writer", "necessity_writer", "writer_hybrid")
+         for m in ("mist_clipped", "h2o")
+         for u in ("facts", "word", "equations")] + \
+        [((m, "equations"), (m, "facts")) for m in UNIT_METHODS]
 
 
-def arms(units) -> list[tuple[str, str]]:
-    """(method, unit) pairs: the unit methods at each unit asked for, the word methods at word."""
-    return [(m, u) for m in UNIT_METHODS for u in units] + \
+def arms(units, methods=None) -> list[tuple[str, str]]:
+    """(method, unit) pairs: the unit methods at each unit asked for, the word methods at
+    word; of `methods` only, where given."""
+    pairs = [(m, u) for m in UNIT_METHODS for u in units] + \
         ([(m, "word") for m in WORD_METHODS] if "word" in units else [])
+    return [(m, u) for m, u in pairs if methods is None or m in methods]
 
 
 def subword_mask(scores: np.ndarray, budget: float) -> np.ndarray:
@@ -82,10 +92,10 @@ def measure_chain(lm, enc, scores: dict, budgets, arms) -> dict:
         if unit == "subword":
             for g in budgets:
                 masks[f"{method}/{unit}/{g}"] = subword_mask(s, g)
-        else:  # facts: words, the numbers and operators first
+        else:  # facts, equations: words, the numbers and operators or the equations first
             for c in prune_scores(enc.example, s, offsets, budgets,
-                                  "word" if unit == "facts" else unit,
-                                  facts_first=unit == "facts"):
+                                  "word" if unit in ("facts", "equations") else unit,
+                                  facts_first=unit == "facts", equations_first=unit == "equations"):
                 masks[f"{method}/{unit}/{c.budget}"] = c.kept
     ev = evaluate_chain(lm, enc, masks, "gsm8k")
     n_results = ev["_chain"]["results"]
@@ -150,10 +160,12 @@ def render(result: dict, budgets) -> str:
              "sums over chains. `subword` is the old token unit (each token alone); `token`, `word` "
              "and `equation` are `mist_core.scoring.prune`'s units, numbers whole in each."
              + (" `facts` is the word unit with the numbers and operators taken first "
-                "(`facts_first`)." if "facts" in head["units"] else ""), "",
+                "(`facts_first`)." if "facts" in head["units"] else "")
+             + (" `equations` is the word unit with the equations taken first "
+                "(`equations_first`)." if "equations" in head["units"] else ""), "",
              "| method | unit | γ | numbers cut | tokens kept % | Eq. 1 drop, nats | Eq. 1 retention % "
              "| accuracy % | results kept % | equations kept % |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for method, unit in arms(head["units"]):
+    for method, unit in arms(head["units"], head.get("methods")):
         for g in budgets:
             t = result["table"][f"{method}/{unit}/{g}"]
             lines.append(f"| {method} | {unit} | {g} | {t['numbers_cut_total']} | {cell(t['kept'])} | "
@@ -178,6 +190,8 @@ def main(argv=None) -> int:
                    help=f"comma-separated, of {', '.join(ALL_UNITS)}")
     p.add_argument("--out", default="docs/results")
     p.add_argument("--stem", default="units", help="<out>/<stem>.json and <stem>.md")
+    p.add_argument("--methods", help="comma-separated, of "
+                   f"{', '.join(UNIT_METHODS + WORD_METHODS)} (default: all)")
     p.add_argument("--summarise", metavar="UNITS_JSON",
                    help="no scoring: the tables again from a run's stored per-chain values")
     a = p.parse_args(argv)
@@ -192,6 +206,14 @@ def main(argv=None) -> int:
     if not set(units) <= set(ALL_UNITS):
         p.error(f"--units: each of {', '.join(ALL_UNITS)}")
     budgets = [float(g) for g in a.budgets.split(",")]
+    methods = a.methods.split(",") if a.methods else None
+    if methods is not None and not set(methods) <= set(UNIT_METHODS + WORD_METHODS):
+        p.error(f"--methods: each of {', '.join(UNIT_METHODS + WORD_METHODS)}")
+    # what the arms score with: hybrid combines mist_clipped's and h2o's scores
+    needed = set(methods or SCORERS) | ({"mist_clipped", "h2o"} if methods is None
+                                        or "hybrid" in methods else set()) | (
+        {"mist_clipped", "necessity_writer"} if methods is None or "writer_hybrid" in methods
+        else set())
     t0 = time.time()
     lm = load_model(a.model)
     adapter = get_adapter("gsm8k")
@@ -199,17 +221,23 @@ def main(argv=None) -> int:
     template = get_template("auto", lm.tokenizer, lm.max_length)
     encoded = [template.encode(ex) for ex in examples]
     scores = {m: [s.scores for s in get_scorer(name, lm, **kw).score_encoded(encoded)]
-              for m, (name, kw) in SCORERS.items()}
-    scores["hybrid"] = [0.5 * zscore(m) + 0.5 * zscore(np.log(np.maximum(h, 1e-12)))
-                        for m, h in zip(scores["mist_clipped"], scores["h2o"])]
+              for m, (name, kw) in SCORERS.items() if m in needed}
+    if {"mist_clipped", "h2o"} <= set(scores):
+        scores["hybrid"] = [0.5 * zscore(m) + 0.5 * zscore(np.log(np.maximum(h, 1e-12)))
+                            for m, h in zip(scores["mist_clipped"], scores["h2o"])]
+    if {"mist_clipped", "necessity_writer"} <= set(scores):  # the reader's and the writer's
+        scores["writer_hybrid"] = [0.5 * zscore(m) + 0.5 * zscore(w) for m, w in
+                                   zip(scores["mist_clipped"], scores["necessity_writer"])]
     per_chain = []
     for i, enc in enumerate(encoded):
-        per_chain.append(measure_chain(lm, enc, {m: v[i] for m, v in scores.items()}, budgets, arms(units)))
+        per_chain.append(measure_chain(lm, enc, {m: v[i] for m, v in scores.items()}, budgets,
+                                       arms(units, methods)))
         print(f"chain {i + 1}/{len(encoded)} measured, {time.time() - t0:.0f} s", file=sys.stderr)
     result = summarise(per_chain, budgets)
     result["meta"] = {"command": "python benchmarks/compare_units.py " + " ".join(sys.argv[1:] if argv is None else argv),
                       "chains": len(examples), "numbers": sum(len(NUMBER.findall(ex.cot)) for ex in examples),
-                      "model": lm.name, "budgets": budgets, "units": units, "seconds": time.time() - t0}
+                      "model": lm.name, "budgets": budgets, "units": units, "methods": methods,
+                      "seconds": time.time() - t0}
     result["chains"] = per_chain
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 
-def _answer_ll(model, ids, start, stop, deltas=None):
+def _answer_ll(model, ids, start, stop, deltas=None, also=()):
     handles = []
     if deltas is not None:
         for block, delta in zip(model.model.layers, deltas):
@@ -22,10 +22,10 @@ def _answer_ll(model, ids, start, stop, deltas=None):
             h.remove()
     logp = torch.log_softmax(out.logits[0], -1)
     ll = sum(logp[t - 1, ids[t]] for t in range(start, stop))
-    return ll, out.hidden_states
+    return ll, sum(logp[t - 1, ids[t]] for t in also) + ll, out.hidden_states
 
 
-def first_order(lm, enc, alpha=0.6, ablation="zero", layer_weights="signed"):
+def first_order(lm, enc, alpha=0.6, ablation="zero", layer_weights="signed", target="answer"):
     model = lm.model
     L = len(model.model.layers)
     d = model.config.hidden_size
@@ -34,10 +34,16 @@ def first_order(lm, enc, alpha=0.6, ablation="zero", layer_weights="signed"):
     cs, ce = enc.chain_start, enc.chain_stop
     dtype = next(model.parameters()).dtype
 
+    # target "facts": the chain's tokens with a digit, or an operator alone, join the objective
+    facts = [cs + i for i, (a, b) in enumerate(enc.chain_offsets)
+             if target == "facts" and (any(c.isdigit() for c in enc.example.cot[a:b])
+                                        or enc.example.cot[a:b].strip() in set("+-*/=×÷^"))
+             and enc.example.cot[a:b].strip()]
     deltas = [torch.zeros(len(src), d, dtype=dtype, requires_grad=True) for _ in range(L)]
     with torch.enable_grad():
-        ll, hs = _answer_ll(model, src, enc.answer_start, enc.answer_stop, deltas)
-        g_src = torch.autograd.grad(ll, deltas)
+        ll, objective, hs = _answer_ll(model, src, enc.answer_start, enc.answer_stop, deltas,
+                                       facts)
+        g_src = torch.autograd.grad(objective, deltas)
     # hidden_states[l] for l < L is h^(l); the last entry is post-norm, so h^(L) is recaptured.
     captured = []
     handle = model.model.layers[-1].register_forward_hook(
@@ -49,7 +55,7 @@ def first_order(lm, enc, alpha=0.6, ablation="zero", layer_weights="signed"):
 
     deltas_t = [torch.zeros(len(tgt), d, dtype=dtype, requires_grad=True) for _ in range(L)]
     with torch.enable_grad():
-        ll_t, hs_t = _answer_ll(model, tgt, enc.target_final + 1, len(tgt), deltas_t)
+        ll_t, _, hs_t = _answer_ll(model, tgt, enc.target_final + 1, len(tgt), deltas_t)
         g_tgt = torch.autograd.grad(ll_t, deltas_t)
     f = enc.target_final
     h_t_f = [x[0, f].detach() for x in hs_t[1:L]]

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from mist_core import Example, MistScorer, get_adapter, prune
-from mist_core.scoring.prune import (NUMBER, OPERATORS, UNITS, budget_tokens, cut_numbers,
+from mist_core.scoring.prune import (EQUATION, NUMBER, OPERATORS, UNITS, budget_tokens, cut_numbers,
                                      merge_spans, prune_scores, pruning_units, token_pieces,
                                      word_units)
 
@@ -123,12 +123,33 @@ def test_facts_first_takes_numbers_and_operators_within_the_budget():
     assert more.text == "we 12 + 7 = 19" and more.kept_tokens == 6
 
 
+def test_equations_first_takes_the_computations_not_every_number():
+    """equations_first: the equation's operands, operators and result before any other
+    unit, within the budget; a number outside an equation (a restated fact) competes on its
+    score like a word."""
+    ex = Example("q?", "has 12 and 7 so 12 + 7 = 19 now", "19")
+    offsets = np.array([[0, 3], [3, 6], [6, 10], [10, 12], [12, 15], [15, 18], [18, 20], [20, 22],
+                        [22, 24], [24, 27], [27, 31]])
+    scores = np.array([1.0, 2.0, 0.0, 2.0, 3.0, -2.0, -5.0, -3.0, -1.0, -2.0, 0.5])
+    scored = SimpleNamespace(scores=scores, chain_offsets=offsets)
+    [facts] = prune(ex, scored, budgets=[0.5], facts_first=True)
+    assert facts.text == "12 7 12 7 = 19"  # the restated numbers crowd out the operator
+    [eqs] = prune(ex, scored, budgets=[0.5], equations_first=True)
+    assert eqs.text == "so 12 + 7 = 19" and eqs.kept_tokens == 6
+    [more] = prune(ex, scored, budgets=[0.75], equations_first=True)  # then the best others
+    assert more.text == "has 12 7 so 12 + 7 = 19" and more.kept_tokens == 9
+    with pytest.raises(ValueError, match="exclude"):
+        prune(ex, scored, budgets=[0.5], facts_first=True, equations_first=True)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.text(alphabet="ab12 .,=+\n", min_size=1, max_size=4), min_size=1, max_size=30),
-       st.floats(0.01, 1.0), st.sampled_from(UNITS), st.integers(0, 2**31))
-def test_facts_first_on_random_chains(pieces, budget, unit, seed):
-    """Within the budget as without it; no unit without a fact is kept while a fact unit
-    that would have fitted in its place is dropped; numbers stay whole."""
+       st.floats(0.01, 1.0), st.sampled_from(UNITS), st.integers(0, 2**31),
+       st.sampled_from(["facts", "equations"]))
+def test_facts_first_on_random_chains(pieces, budget, unit, seed, first):
+    """Within the budget as without it; no unit without a fact (with equations_first: a
+    piece of an equation) is kept while a fact unit that would have fitted in its place is
+    dropped; numbers stay whole."""
     cot = "".join(pieces)
     if not cot.strip():
         return
@@ -137,15 +158,18 @@ def test_facts_first_on_random_chains(pieces, budget, unit, seed):
     scores = np.random.default_rng(seed).normal(size=len(pieces))
     ex = Example("q", cot, "a")
     scored = SimpleNamespace(scores=scores, chain_offsets=offsets)
-    [c] = prune(ex, scored, [budget], unit=unit, facts_first=True)
+    [c] = prune(ex, scored, [budget], unit=unit, facts_first=first == "facts",
+                equations_first=first == "equations")
     [plain] = prune(ex, scored, [budget], unit=unit)
     k = budget_tokens(budget, len(pieces))
     assert c.kept_tokens <= max(k, plain.kept_tokens)
     assert cut_numbers(cot, offsets, c.kept) == 0
     units = np.unique(pruning_units(cot, offsets, unit), return_inverse=True)[1]
     sizes = np.bincount(units)
+    in_equation = [any(a < m.end() and b > m.start() for m in EQUATION.finditer(cot))
+                   for a, b in offsets]
     fact = np.bincount(units, weights=[bool(re.search(r"\d", p)) or p.strip() in OPERATORS
-                                       for p in pieces]) > 0
+                                       for p in pieces] if first == "facts" else in_equation) > 0
     kept_units = np.unique(units[c.kept])
     dropped_facts = [u for u in np.unique(units) if fact[u] and u not in kept_units]
     if any(not fact[u] for u in kept_units):

@@ -62,6 +62,26 @@ def test_mean_ablation_equals_plain_autograd_fp64(tiny_lm64, examples, share_pre
         MistScorer(tiny_lm64, ablation="median")
 
 
+@pytest.mark.parametrize("share_prefix,recompute", [(True, False), (False, False), (False, True)])
+def test_facts_target_equals_plain_autograd_fp64(tiny_lm64, examples, share_prefix, recompute):
+    """target="facts" (a variant): necessity's gradient is of log p(answer) plus the log p of
+    each of the chain's numbers and operators; the reported log-likelihoods stay Eq. 1's,
+    and the sufficiency axis is the answer's as before."""
+    scorer = MistScorer(tiny_lm64, target="facts", share_prefix=share_prefix, recompute=recompute,
+                        max_batch=8)
+    answer = MistScorer(tiny_lm64, share_prefix=share_prefix, max_batch=8).score(examples)
+    for ex, got, paper in zip(examples, scorer.score(examples), answer):
+        ref = first_order(tiny_lm64, scorer.encode(ex), layer_weights="clipped", target="facts")
+        for name in FIELDS:
+            np.testing.assert_allclose(getattr(got, name), ref[name], rtol=1e-5, atol=1e-9,
+                                       err_msg=name)
+        assert got.log_likelihood == pytest.approx(paper.log_likelihood, rel=1e-9)
+        np.testing.assert_allclose(got.sufficiency, paper.sufficiency, rtol=1e-9)
+        assert np.abs(got.necessity_per_layer - paper.necessity_per_layer).max() > 1e-4
+    with pytest.raises(ValueError, match="target"):
+        MistScorer(tiny_lm64, target="question")
+
+
 def test_clipped_layer_weights_drop_the_layers_that_count_against(tiny_lm64, examples):
     """layer_weights="clipped" (the default): Eq. 7 with max(c̄_l, 0), from the plain-autograd
     reference's per-layer terms; the reported c̄ and per-layer terms are the paper's."""

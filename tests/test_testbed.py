@@ -242,6 +242,39 @@ def test_oracle_variants_and_controls_prune_as_defined(problems, word_tokenizer)
         np.testing.assert_allclose(h.scores, 0.5 * zscore(m.scores) + 0.5 * zscore(np.log(a.scores)))
 
 
+def test_writer_arms_and_equations_first(problems, word_tokenizer):
+    """The writer's variants: writer_hybrid is the mean of mist_clipped's and
+    necessity_writer's z-scores; an `_eq` arm keeps every equation of the chain whole (they
+    fit the budget here); a `_facts` arm keeps every number."""
+    from mist_core.data.examples import Example
+    from mist_core.data.templates import get_template
+    from mist_core.distill.synthetic import EQUATION as STEP
+    from mist_core.models import wrap_model
+    from mist_core.scoring.scorer import zscore
+    from pipelines.loop.testbed import _scored, score_and_prune
+
+    lm = wrap_model(tiny_llama(word_tokenizer, layers=2, hidden=32), word_tokenizer, "t")
+    chains = [{**p.row(), "source_id": p.id} for p in problems[:4]]
+    methods = ["writer_hybrid_eq", "necessity_writer_facts", "mist_writer_eq"]
+    compressed, kept = score_and_prune(lm, chains, methods, seed=0)
+    for c in chains:
+        equations = STEP.findall(c["cot"])
+        for g in (0.5, 0.7):
+            for arm in ("writer_hybrid_eq", "mist_writer_eq"):
+                assert len(STEP.findall(compressed[arm][c["id"]][g])) == len(equations)
+            assert (re.findall(r"\d+", compressed["necessity_writer_facts"][c["id"]][g])
+                    == re.findall(r"\d+", c["cot"]))
+    for arm in methods:
+        assert kept[arm]["0.5"]["recall"] == 1.0
+    template = get_template("auto", lm.tokenizer, lm.max_length)
+    encoded = [template.encode(Example(c["question"], c["cot"], c["answer"], id=c["id"]))
+               for c in chains]
+    cache = {"unit": "token"}
+    hybrid = _scored("writer_hybrid", lm, encoded, None, 0, cache)
+    for h, m, w in zip(hybrid, cache["mist_clipped"], cache["necessity_writer"]):
+        np.testing.assert_allclose(h.scores, 0.5 * zscore(m.scores) + 0.5 * zscore(w.scores))
+
+
 def test_a_stored_seed_is_not_scored_again(tmp_path, monkeypatch):
     """A seed whose arms and kept shares are all stored (a resumed or re-rendered run) is
     returned as stored, without scoring; an arm added to it scores that method alone."""

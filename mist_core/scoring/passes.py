@@ -37,7 +37,7 @@ from . import allocator, attention
 from ..models import LM
 from .norms import fused_norms
 from .swiglu import fused_swiglu
-from .tracing import _hidden, run_base, span_logprobs, trace, wrapped_forwards
+from .tracing import _hidden, run_base, span_logprobs, token_logprobs, trace, wrapped_forwards
 
 # on_state(l, h): h = h^(l) [B, S, d], detached, called for l = 0..L as the forward reaches it.
 # on_grad(l, g, h): g = ∇_{h^(l)} Σ_rows log p(span), h = h^(l), for each l in grad_layers.
@@ -76,10 +76,13 @@ class PrefixKV:
 def residual_pass(lm: LM, ids: torch.Tensor, spans: list[tuple[int, int]], *,
                   grad_layers: Sequence[int] = (), plan: Plan = Plan(),
                   on_state: OnState | None = None, on_grad: OnGrad | None = None,
-                  prefix_kv: PrefixKV | None = None, **base_kwargs) -> list[float]:
+                  prefix_kv: PrefixKV | None = None,
+                  also: Sequence[Sequence[int]] | None = None, **base_kwargs) -> list[float]:
     """Run the decoder on `ids` (extra arguments go to the base model: attention_mask,
     position_ids, a prefix cache), score log p(ids[b, span_b]) and backpropagate it to the
     residual stream of `grad_layers` (block numbers 1..L). Returns each row's log p.
+    `also`: per row, more positions t whose log p(ids[b, t] | ids[b, :t]) joins what is
+    backpropagated, not what is returned.
 
     `plan` (with `recompute`): `mlp_pieces` runs each block's MLP `MLP_POSITIONS` positions
     at a time, each piece checkpointed (chunked_mlp): one more MLP forward per block in the
@@ -92,7 +95,7 @@ def residual_pass(lm: LM, ids: torch.Tensor, spans: list[tuple[int, int]], *,
     grad_layers = sorted(set(grad_layers))
     if plan.recompute and grad_layers:
         return _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs,
-                           plan)
+                           plan, also)
     if grad_layers:  # the saved activations' pages, mapped once, serve the next pass too
         allocator.keep_freed(lm.device)
     with trace(lm, grad=bool(grad_layers), on_state=on_state) as tr, \
@@ -101,12 +104,13 @@ def residual_pass(lm: LM, ids: torch.Tensor, spans: list[tuple[int, int]], *,
             fused_swiglu(lm) if grad_layers else nullcontext():
         out = run_base(lm, ids, **base_kwargs)
         lps = span_logprobs(lm, out.last_hidden_state, spans, ids)
+        objective = _objective(lm, out.last_hidden_state, lps, ids, also) if grad_layers else None
         del out
         if grad_layers:
             handles = [tr.states[l].register_hook(_grad_hook(on_grad, l, tr.states[l].detach()))
                        for l in grad_layers]
             try:
-                torch.autograd.grad(_total(lps), [tr.states[grad_layers[0]]])
+                torch.autograd.grad(objective, [tr.states[grad_layers[0]]])
             finally:
                 for h in handles:
                     h.remove()
@@ -120,8 +124,15 @@ def _grad_hook(on_grad: OnGrad | None, layer: int, h: torch.Tensor):
     return hook
 
 
-def _total(lps: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack([lp.sum() for lp in lps]).sum()
+def _objective(lm: LM, hidden: torch.Tensor, lps: list[torch.Tensor], ids: torch.Tensor,
+               also: Sequence[Sequence[int]] | None) -> torch.Tensor:
+    """What the backward differentiates: the spans' log p, and `also`'s positions'."""
+    total = torch.stack([lp.sum() for lp in lps]).sum()
+    pairs = [(b, t) for b, ts in enumerate(also or ()) for t in ts if t >= 1]
+    if pairs:
+        rows, pos = zip(*pairs)
+        total = total + token_logprobs(lm, hidden, rows, pos, ids).sum()
+    return total
 
 
 # Token positions a recomputed pass runs through a block's MLP at a time.
@@ -204,18 +215,18 @@ def unread_down_proj(lm: LM):
 
 
 def _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs,
-                plan):
+                plan, also=None):
     # fused_swiglu first: chunked_mlp's pieces then run its forward
     with fused_swiglu(lm), chunked_mlp(lm, enabled=plan.mlp_pieces), \
             allocator.freed_to_the_system(lm.device), unread_down_proj(lm), fused_norms(lm), \
             attention.cpu_attention(lm, min(plan.attention_kept, lm.n_layers - grad_layers[0])) \
             as kept:
         return _recomputed_pass(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv,
-                                base_kwargs, max(1, plan.keep_every), kept)
+                                base_kwargs, max(1, plan.keep_every), kept, also)
 
 
 def _recomputed_pass(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs,
-                     keep_every, kept):
+                     keep_every, kept, also=None):
     L = lm.n_layers
     with trace(lm, capture_inputs=True, on_state=on_state,
                keep=lambda l: l % keep_every == 0 or l == L) as tr, torch.no_grad():
@@ -233,8 +244,9 @@ def _recomputed_pass(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, 
 
     with torch.enable_grad():
         top = states[L].detach().requires_grad_(True)
-        lps = span_logprobs(lm, lm.final_norm(top), spans, ids)
-        (g,) = torch.autograd.grad(_total(lps), [top])
+        hidden = lm.final_norm(top)
+        lps = span_logprobs(lm, hidden, spans, ids)
+        (g,) = torch.autograd.grad(_objective(lm, hidden, lps, ids, also), [top])
     del top
     if L in grad_layers and on_grad:
         on_grad(L, g, states[L])

@@ -25,6 +25,23 @@ UNITS = ("token", "word", "equation")
 OPERATORS = frozenset("+-*/=×÷^")
 
 
+
+def is_fact(text: str) -> bool:
+    """Whether a token's or a word's text holds a number's digit or is an arithmetic operator
+    standing alone: the facts that facts_first keeps first."""
+    return bool(_DIGIT.search(text)) or text.strip() in OPERATORS
+
+
+def fact_tokens(cot: str, offsets) -> np.ndarray:
+    """bool [T]: the chain tokens (character `offsets` [T, 2] in `cot`) that are facts (is_fact).
+
+    Examples:
+        >>> fact_tokens("so 12 + 3", [[0, 2], [2, 5], [5, 7], [7, 9]]).tolist()
+        [False, True, True, True]
+    """
+    return np.array([is_fact(cot[a:b]) for a, b in np.asarray(offsets).reshape(-1, 2)], dtype=bool)
+
+
 @dataclass
 class Compressed:
     """One compressed chain: what prune keeps of a chain at one budget.
@@ -181,7 +198,8 @@ def _select(unit_scores: np.ndarray, unit_sizes: np.ndarray, forced: np.ndarray,
 
 
 def prune(example: Example, scored, budgets: Sequence[float] = (0.5,), unit: str = "token",
-          keep_digits: bool = False, facts_first: bool = False) -> list[Compressed]:
+          keep_digits: bool = False, facts_first: bool = False,
+          equations_first: bool = False) -> list[Compressed]:
     """For each budget γ keep ⌈γ·T⌉ chain tokens with the highest scores, in original order.
 
     A unit (pruning_units) scores the mean of its tokens' scores; units are taken best first
@@ -192,6 +210,8 @@ def prune(example: Example, scored, budgets: Sequence[float] = (0.5,), unit: str
     takes the units that hold a number or are an arithmetic operator (`+ - * / = × ÷ ^`)
     before any other, best first, within the budget: the score then decides which words
     around the facts stay (LLMLingua-2's force_reserve_digit, kept to the budget).
+    equations_first takes the units in an equation over numbers (EQUATION: `16 - 3 = 13`)
+    first instead: the chain's computations, not every number it restates.
 
     Args:
         example: the example whose chain (`example.cot`) is pruned.
@@ -203,12 +223,14 @@ def prune(example: Example, scored, budgets: Sequence[float] = (0.5,), unit: str
             number is one unit.
         keep_digits: keep every unit with a digit, whatever its score.
         facts_first: take the units with a number or an operator first, within the budget.
+        equations_first: take the units of the chain's equations first, within the budget.
 
     Returns:
         One Compressed per budget, in the order of `budgets`.
 
     Raises:
-        ValueError: a budget outside (0, 1], or an unknown unit.
+        ValueError: a budget outside (0, 1], an unknown unit, or both facts_first and
+            equations_first.
 
     Examples:
         >>> from mist_core import Example, MistScorer, prune, wrap_model
@@ -237,12 +259,12 @@ def prune(example: Example, scored, budgets: Sequence[float] = (0.5,), unit: str
         (6, '4 3 + 4 = 7')
     """
     return prune_scores(example, scored.scores, scored.chain_offsets, budgets, unit, keep_digits,
-                        facts_first)
+                        facts_first, equations_first)
 
 
 def prune_scores(example: Example, scores, offsets, budgets: Sequence[float] = (0.5,),
                  unit: str = "token", keep_digits: bool = False,
-                 facts_first: bool = False) -> list[Compressed]:
+                 facts_first: bool = False, equations_first: bool = False) -> list[Compressed]:
     """prune() on per-token `scores` [T] and the chain tokens' character `offsets` [T, 2]
     (any scorer's, or scores of one's own).
 
@@ -250,7 +272,7 @@ def prune_scores(example: Example, scores, offsets, budgets: Sequence[float] = (
         example: the example whose chain is pruned.
         scores: [T] one score per chain token, higher kept first.
         offsets: [T, 2] each chain token's character span in `example.cot`.
-        budgets, unit, keep_digits, facts_first: as in prune.
+        budgets, unit, keep_digits, facts_first, equations_first: as in prune.
 
     Returns:
         One Compressed per budget.
@@ -281,7 +303,14 @@ def prune_scores(example: Example, scores, offsets, budgets: Sequence[float] = (
         return np.bincount(units, weights=passed, minlength=n_units) > 0
 
     forced = holding(_DIGIT.search) if keep_digits else np.zeros(n_units, bool)
-    first = holding(lambda p: _DIGIT.search(p) or p.strip() in OPERATORS) if facts_first else None
+    if facts_first and equations_first:
+        raise ValueError("facts_first and equations_first exclude each other")
+    first = holding(is_fact) if facts_first else None
+    if equations_first:
+        inside = np.zeros(T, bool)
+        for m in EQUATION.finditer(cot):
+            inside |= (offsets[:, 0] < m.end()) & (offsets[:, 1] > m.start())
+        first = np.bincount(units, weights=inside, minlength=n_units) > 0
     out = []
     for budget in budgets:
         chosen = _select(unit_scores, sizes, forced, budget_tokens(budget, T), first)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..models import LM
-from .choices import ABLATIONS, ALPHA, LAYER_WEIGHTS, OPTIONS
+from .choices import ABLATIONS, ALPHA, LAYER_WEIGHTS, OPTIONS, TARGETS
 from .scorer import MistScorer, Scorer
 
 
@@ -92,6 +92,7 @@ class Scoring:
         alpha: MIST's necessity weight in Eq. 8, in [0, 1] (mist only).
         layer_weights: Eq. 7's layer weights, one of LAYER_WEIGHTS (the MIST family).
         ablation: necessity's baseline state, one of ABLATIONS (mist, necessity).
+        target: what necessity's gradient is of, one of TARGETS (mist, necessity).
         seed: the uniform baseline's random seed.
         template: the prompt template's name (templates.get_template).
         max_tokens: padded tokens per forward pass, or "auto".
@@ -123,6 +124,7 @@ class Scoring:
     alpha: float = ALPHA
     layer_weights: str = LAYER_WEIGHTS[0]
     ablation: str = ABLATIONS[0]
+    target: str = TARGETS[0]
     seed: int = 0
     template: str = "auto"
     max_tokens: int | str = 4096

@@ -13,8 +13,9 @@ from ..data.examples import Example
 from ..data.templates import Encoded, get_template
 from ..errors import InvalidExample, NonFiniteScores
 from ..models import LM
-from .choices import ABLATIONS, ALPHA, LAYER_WEIGHTS
+from .choices import ABLATIONS, ALPHA, LAYER_WEIGHTS, TARGETS
 from .passes import Plan, PrefixKV, residual_pass
+from .prune import fact_tokens
 from .tracing import Prefix, batch_overhead, length_batches, pad, wide
 
 AXES = ("necessity", "sufficiency")
@@ -455,6 +456,11 @@ class MistScorer(BackpropScorer):
             `layer_weights` on the result is always Eq. 6's c̄.
         ablation: necessity's baseline, "zero" (Eq. 4, the paper) or "mean" (the chain's
             mean state at the layer: ⟨∇h_i, h_i − h̄⟩), a variant the testbed tries.
+        target: what necessity's gradient is of: "answer" (Eq. 1, log p(a | x, c), the
+            paper) or "facts" (that plus the log p of each of the chain's own numbers and
+            operators given what precedes it: the chain's words that the later steps are
+            written from count too, as a model trained on the pruned chain must write them).
+            The log-likelihoods on the result are Eq. 1's either way.
         recompute: None (the default) picks per batch the cheapest way that fits
             max_memory; True or False forces recomputing the blocks in the backward or
             storing their activations.
@@ -490,8 +496,12 @@ class MistScorer(BackpropScorer):
 
     def __init__(self, lm: LM, alpha: float = ALPHA, axes: Sequence[str] = AXES,
                  layers: Sequence[int] | None = None, share_prefix: bool | None = None,
-                 layer_weights: str = LAYER_WEIGHTS[0], ablation: str = ABLATIONS[0], **kwargs):
+                 layer_weights: str = LAYER_WEIGHTS[0], ablation: str = ABLATIONS[0],
+                 target: str = TARGETS[0], **kwargs):
         super().__init__(lm, **kwargs)
+        if target not in TARGETS:
+            raise ValueError(f"target must be one of {TARGETS}, not {target!r}")
+        self.target = target
         self.share_prefix = share_prefix
         if ablation not in ABLATIONS:
             raise ValueError(f"ablation must be one of {ABLATIONS}, not {ablation!r}")
@@ -547,10 +557,19 @@ class MistScorer(BackpropScorer):
         share = self.shares_prefix(batch[0])
         width = max(self.batch_length(e) for e in batch)
         P = max(shared_prefix(e) for e in batch)
-        answers = sum(e.answer_len for e in batch)
+        answers = sum(e.answer_len for e in batch) + sum(len(p) for p in self._facts(batch, 0) or ())
         return self.footprint.need(len(batch) * width, plan, prefix_positions=len(batch) * P,
                                    mask_cells=len(batch) * width * (P + width) if share else 0,
                                    logit_rows=answers, vocab=self.lm.unembedding.shape[0])
+
+    def _facts(self, batch: list[Encoded], k) -> list[np.ndarray] | None:
+        """With target "facts": each row's fact tokens' positions in the source pass (its
+        ids from k[b] on, or from 0 with k an int); else None."""
+        if self.target != "facts":
+            return None
+        k = [k] * len(batch) if isinstance(k, int) else k
+        return [e.chain_start - n + np.flatnonzero(fact_tokens(e.example.cot, e.chain_offsets))
+                for e, n in zip(batch, k)]
 
     def _target_pass(self, batch: list[Encoded], prefix: Prefix):
         """∇ log p(a|x,∅) and h at the no-chain final position f, for the selected layers:
@@ -617,7 +636,7 @@ class MistScorer(BackpropScorer):
 
         ll_src = residual_pass(lm, ids, spans, grad_layers=self.layers if nec else (),
                                plan=plan, on_state=on_state, on_grad=on_grad,
-                               **kwargs)
+                               also=self._facts(batch, k) if nec else None, **kwargs)
         proj_t = torch.stack(proj)  # [L+1, B, S]
         layer_idx = torch.tensor(self.layers, device=lm.device)
         out = []

@@ -9,6 +9,7 @@ import inspect
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -199,12 +200,18 @@ def span_logprobs(lm: LM, hidden: torch.Tensor, spans: list[tuple[int, int]],
     rows, pos = [], []
     for b, (start, stop) in enumerate(spans):
         rows.extend([b] * (stop - start))
-        pos.extend(range(start - 1, stop - 1))
-    rows_t = torch.tensor(rows, device=hidden.device)
-    pos_t = torch.tensor(pos, device=hidden.device)
-    logits = wide(lm.lm_head(hidden[rows_t, pos_t]))
-    lp = torch.log_softmax(logits, dim=-1).gather(1, ids[rows_t, pos_t + 1][:, None])[:, 0]
+        pos.extend(range(start, stop))
+    lp = token_logprobs(lm, hidden, rows, pos, ids)
     return list(torch.split(lp, [stop - start for start, stop in spans]))
+
+
+def token_logprobs(lm: LM, hidden: torch.Tensor, rows: Sequence[int], pos: Sequence[int],
+                   ids: torch.Tensor) -> torch.Tensor:
+    """log p(ids[r, t] | ids[r, :t]) for each (r, t) of rows × pos (t ≥ 1), flat."""
+    rows_t = torch.tensor(list(rows), device=hidden.device, dtype=torch.long)
+    pos_t = torch.tensor(list(pos), device=hidden.device, dtype=torch.long) - 1
+    logits = wide(lm.lm_head(hidden[rows_t, pos_t]))
+    return torch.log_softmax(logits, dim=-1).gather(1, ids[rows_t, pos_t + 1][:, None])[:, 0]
 
 
 def similar_lengths(lengths: list[int], waste: float = 0.05) -> list[list[int]]:

@@ -49,7 +49,10 @@ log = logging.getLogger("pipelines.loop.testbed")
 
 METHODS = ("mist", "necessity", "sufficiency", "h2o", "crisp", "perplexity", "gogi_l1", "uniform",
            "tail", "head", "mist_clipped", "mist_mean", "mist_equation", "mist_alpha", "hybrid",
-           "mist_facts", "h2o_facts", "oracle", "oracle_near", "oracle_cue")
+           "mist_facts", "h2o_facts", "mist_writer", "necessity_writer", "writer_hybrid",
+           "mist_writer_facts", "necessity_writer_facts", "writer_hybrid_facts", "mist_eq", "h2o_eq",
+           "mist_writer_eq", "necessity_writer_eq", "writer_hybrid_eq", "oracle", "oracle_near",
+           "oracle_cue")
 # Not scorers: `head` keeps the first tokens (truncation), `tail` the last; `oracle` keeps the
 # generator's ground truth (operands, operators, results) and the equations' `=` first, then
 # random tokens up to ⌈γT⌉: the ceiling for any scorer. `oracle_near` fills with the tokens
@@ -69,15 +72,26 @@ VARIANTS = {"mist": ("mist", {"layer_weights": "signed"}),  # the paper's MIST a
             # clipped weights, pruned by equations (UNIT_OF)
             "mist_equation": ("mist", {"layer_weights": "clipped"}),
             # clipped weights, α chosen on a validation slice by Eq. 1 (ALPHAS)
-            "mist_alpha": ("mist", {"layer_weights": "clipped"})}
+            "mist_alpha": ("mist", {"layer_weights": "clipped"}),
+            # clipped weights, necessity of the answer and of the chain's own numbers and
+            # operators (target "facts": the words later steps are written from count too)
+            "mist_writer": ("mist", {"layer_weights": "clipped", "target": "facts"}),
+            "necessity_writer": ("necessity", {"layer_weights": "clipped", "target": "facts"})}
 UNIT_OF = {"mist_equation": "equation"}
-# Another method's scores, pruned with the numbers and operators first (prune's facts_first).
-FACTS_OF = {"mist_facts": "mist_clipped", "h2o_facts": "h2o"}
+# Another method's scores, pruned with the numbers and operators first (prune's facts_first)
+# or with the equations first (equations_first).
+FACTS_OF = {"mist_facts": "mist_clipped", "h2o_facts": "h2o", "mist_writer_facts": "mist_writer",
+            "necessity_writer_facts": "necessity_writer", "writer_hybrid_facts": "writer_hybrid"}
+EQUATIONS_OF = {"mist_eq": "mist_clipped", "h2o_eq": "h2o", "mist_writer_eq": "mist_writer",
+                "necessity_writer_eq": "necessity_writer", "writer_hybrid_eq": "writer_hybrid"}
 ALPHAS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 ALPHA_SLICE = 60  # Phase 0 chains α is chosen on
 # hybrid: 0.5·z(mist_clipped) + 0.5·z(log h2o), MIST with the attention signal that keeps
 # intermediate results better
 HYBRID = ("mist_clipped", "h2o", 0.5)
+# writer_hybrid: 0.5·z(mist_clipped) + 0.5·z(necessity_writer): the answer's MIST with the
+# necessity of the chain's own facts (what the reader needs and what the writer needs)
+WRITER_HYBRID = ("mist_clipped", "necessity_writer", 0.5)
 CONTROLS = ("full_chain", "no_chain", "shortest_of_k")
 # The arm of the project's default method (MistScorer's and `mist compress`'s defaults:
 # clipped layer weights, the numbers and operators kept first).
@@ -231,7 +245,8 @@ def score_and_prune(lm, chains: list[dict], methods, seed: int, unit: str = "tok
                 log.warning("%s: chain %s not scored: %s", method, enc.example.id, sc)
                 continue
             kept = prune(enc.example, sc, budgets=TRAIN_BUDGETS, unit=UNIT_OF.get(method, unit),
-                         facts_first=method in FACTS_OF)
+                         facts_first=method in FACTS_OF,
+                         equations_first=method in EQUATIONS_OF)
             out[enc.example.id] = {c.budget: c.text for c in kept}
             if ok:
                 for c in kept:
@@ -281,13 +296,20 @@ def _scored(method: str, lm, encoded, labels: dict, seed: int, cache: dict) -> l
                                            + 1e-3 * rng.random(e.chain_len))
                   for e, n, q, k in zip(encoded, labels["needed"], labels["equals"],
                                         labels["cues"])]
-    elif method in FACTS_OF:
-        scored = _scored(FACTS_OF[method], lm, encoded, labels, seed, cache)
+    elif method in FACTS_OF or method in EQUATIONS_OF:
+        scored = _scored({**FACTS_OF, **EQUATIONS_OF}[method], lm, encoded, labels, seed, cache)
     elif method == "hybrid":
         a, b, w = HYBRID
         scored = [x if not isinstance(x, ScoredChain) else y if not isinstance(y, ScoredChain)
                   else ScoredChain.from_encoded(e, method, w * zscore(x.scores) + (1 - w) * zscore(
                       np.log(np.maximum(y.scores, 1e-12))))
+                  for e, x, y in zip(encoded, _scored(a, lm, encoded, labels, seed, cache),
+                                     _scored(b, lm, encoded, labels, seed, cache))]
+    elif method == "writer_hybrid":
+        a, b, w = WRITER_HYBRID
+        scored = [x if not isinstance(x, ScoredChain) else y if not isinstance(y, ScoredChain)
+                  else ScoredChain.from_encoded(e, method, w * zscore(x.scores)
+                                                + (1 - w) * zscore(y.scores))
                   for e, x, y in zip(encoded, _scored(a, lm, encoded, labels, seed, cache),
                                      _scored(b, lm, encoded, labels, seed, cache))]
     elif method == "mist_alpha":
@@ -659,7 +681,13 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
         "to ⌈γT⌉ with random tokens, `oracle_near` filled with the tokens nearest them, "
         "`oracle_cue` oracle_near with the chain's start and each step's cue verb in the "
         "ground truth too (a writer's ceiling). `mist_facts` and `h2o_facts`: mist_clipped's "
-        "and h2o's scores, pruned with the numbers and operators first (`facts_first`).",
+        "and h2o's scores, pruned with the numbers and operators first (`facts_first`). "
+        "`mist_writer` and `necessity_writer`: MIST and its necessity axis with the writer's "
+        "target (necessity of log p(answer) plus the log p of the chain's own numbers and "
+        "operators, `target=\"facts\"`); `writer_hybrid` 0.5·z(mist_clipped) + "
+        "0.5·z(necessity_writer). A `_facts` suffix prunes with the numbers and operators "
+        "first, `_eq` with the equations first (`equations_first`): the chain's "
+        "computations, not the numbers it restates.",
         f"- Phase 3: greedy answers on {sizes.test} new test questions under each γ (the "
         "controls under 1.0). *Chain tokens*: tokens the model writes before `The answer is`.",
         "- *Precision / recall*: of the chain tokens a method keeps at γ in the Phase 0 corpus "
