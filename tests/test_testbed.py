@@ -186,6 +186,20 @@ def test_t_interval_and_render(tmp_path):
     assert existing_reading(path).strip() == "Kept text." and md.count(READING) == 1
 
 
+def _scored_alone(method: str, lm, chains: list[dict]):
+    """testbed._scored's ScoredChains of one method on `chains`, and the cache of the
+    scorings it combined."""
+    from mist_core.data.examples import Example
+    from mist_core.data.templates import get_template
+    from pipelines.loop.testbed import _scored
+
+    template = get_template("auto", lm.tokenizer, lm.max_length)
+    encoded = [template.encode(Example(c["question"], c["cot"], c["answer"], id=c["id"]))
+               for c in chains]
+    cache = {"unit": "token"}
+    return _scored(method, lm, encoded, None, 0, cache), cache
+
+
 def test_oracle_variants_and_controls_prune_as_defined(problems, word_tokenizer):
     """score_and_prune on generator chains with an untrained target: the oracle keeps the
     ground truth, head the first tokens, the hybrid is its two z-scores' mean, mist_alpha
@@ -228,16 +242,9 @@ def test_oracle_variants_and_controls_prune_as_defined(problems, word_tokenizer)
                                [1 / 3, 1 / 2, 1, 1 / 2, 1 / 3, 1 / 2, 1])
     assert not _nearness(np.zeros(3, bool)).any()
     # the hybrid from the two scorings it combines
-    from mist_core.data.examples import Example
-    from mist_core.data.templates import get_template
     from mist_core.scoring.scorer import zscore
-    from pipelines.loop.testbed import _scored
 
-    template = get_template("auto", lm.tokenizer, lm.max_length)
-    encoded = [template.encode(Example(c["question"], c["cot"], c["answer"], id=c["id"]))
-               for c in chains]
-    cache = {"unit": "token"}
-    hybrid = _scored("hybrid", lm, encoded, None, 0, cache)
+    hybrid, cache = _scored_alone("hybrid", lm, chains)
     for h, m, a in zip(hybrid, cache["mist_clipped"], cache["h2o"]):
         np.testing.assert_allclose(h.scores, 0.5 * zscore(m.scores) + 0.5 * zscore(np.log(a.scores)))
 
@@ -246,12 +253,10 @@ def test_writer_arms_and_equations_first(problems, word_tokenizer):
     """The writer's variants: writer_hybrid is the mean of mist_clipped's and
     necessity_writer's z-scores; an `_eq` arm keeps every equation of the chain whole (they
     fit the budget here); a `_facts` arm keeps every number."""
-    from mist_core.data.examples import Example
-    from mist_core.data.templates import get_template
     from mist_core.distill.synthetic import EQUATION as STEP
     from mist_core.models import wrap_model
     from mist_core.scoring.scorer import zscore
-    from pipelines.loop.testbed import _scored, score_and_prune
+    from pipelines.loop.testbed import score_and_prune
 
     lm = wrap_model(tiny_llama(word_tokenizer, layers=2, hidden=32), word_tokenizer, "t")
     chains = [{**p.row(), "source_id": p.id} for p in problems[:4]]
@@ -266,11 +271,7 @@ def test_writer_arms_and_equations_first(problems, word_tokenizer):
                     == re.findall(r"\d+", c["cot"]))
     for arm in methods:
         assert kept[arm]["0.5"]["recall"] == 1.0
-    template = get_template("auto", lm.tokenizer, lm.max_length)
-    encoded = [template.encode(Example(c["question"], c["cot"], c["answer"], id=c["id"]))
-               for c in chains]
-    cache = {"unit": "token"}
-    hybrid = _scored("writer_hybrid", lm, encoded, None, 0, cache)
+    hybrid, cache = _scored_alone("writer_hybrid", lm, chains)
     for h, m, w in zip(hybrid, cache["mist_clipped"], cache["necessity_writer"]):
         np.testing.assert_allclose(h.scores, 0.5 * zscore(m.scores) + 0.5 * zscore(w.scores))
 
