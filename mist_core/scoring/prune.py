@@ -25,7 +25,6 @@ UNITS = ("token", "word", "equation")
 OPERATORS = frozenset("+-*/=×÷^")
 
 
-
 def is_fact(text: str) -> bool:
     """Whether a token's or a word's text holds a number's digit or is an arithmetic operator
     standing alone: the facts that facts_first keeps first."""

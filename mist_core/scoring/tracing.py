@@ -207,7 +207,8 @@ def span_logprobs(lm: LM, hidden: torch.Tensor, spans: list[tuple[int, int]],
 
 def token_logprobs(lm: LM, hidden: torch.Tensor, rows: Sequence[int], pos: Sequence[int],
                    ids: torch.Tensor) -> torch.Tensor:
-    """log p(ids[r, t] | ids[r, :t]) for each (r, t) of rows × pos (t ≥ 1), flat."""
+    """log p(ids[r, t] | ids[r, :t]) for each pair (r, t) of zip(rows, pos) (t ≥ 1), flat:
+    from the logits at position t - 1 only."""
     rows_t = torch.tensor(list(rows), device=hidden.device, dtype=torch.long)
     pos_t = torch.tensor(list(pos), device=hidden.device, dtype=torch.long) - 1
     logits = wide(lm.lm_head(hidden[rows_t, pos_t]))

@@ -86,12 +86,12 @@ EQUATIONS_OF = {"mist_eq": "mist_clipped", "h2o_eq": "h2o", "mist_writer_eq": "m
                 "necessity_writer_eq": "necessity_writer", "writer_hybrid_eq": "writer_hybrid"}
 ALPHAS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 ALPHA_SLICE = 60  # Phase 0 chains α is chosen on
-# hybrid: 0.5·z(mist_clipped) + 0.5·z(log h2o), MIST with the attention signal that keeps
-# intermediate results better
-HYBRID = ("mist_clipped", "h2o", 0.5)
-# writer_hybrid: 0.5·z(mist_clipped) + 0.5·z(necessity_writer): the answer's MIST with the
-# necessity of the chain's own facts (what the reader needs and what the writer needs)
-WRITER_HYBRID = ("mist_clipped", "necessity_writer", 0.5)
+# name -> (method a, method b, w, whether b's scores are taken in log): w·z(a) + (1 − w)·z(b).
+# hybrid: MIST with the attention signal that keeps intermediate results better;
+# writer_hybrid: the answer's MIST with the necessity of the chain's own facts (what the
+# reader needs and what the writer needs).
+HYBRIDS = {"hybrid": ("mist_clipped", "h2o", 0.5, True),
+           "writer_hybrid": ("mist_clipped", "necessity_writer", 0.5, False)}
 CONTROLS = ("full_chain", "no_chain", "shortest_of_k")
 # The arm of the project's default method (MistScorer's and `mist compress`'s defaults:
 # clipped layer weights, the numbers and operators kept first).
@@ -298,18 +298,11 @@ def _scored(method: str, lm, encoded, labels: dict, seed: int, cache: dict) -> l
                                         labels["cues"])]
     elif method in FACTS_OF or method in EQUATIONS_OF:
         scored = _scored({**FACTS_OF, **EQUATIONS_OF}[method], lm, encoded, labels, seed, cache)
-    elif method == "hybrid":
-        a, b, w = HYBRID
+    elif method in HYBRIDS:
+        a, b, w, log_b = HYBRIDS[method]
         scored = [x if not isinstance(x, ScoredChain) else y if not isinstance(y, ScoredChain)
                   else ScoredChain.from_encoded(e, method, w * zscore(x.scores) + (1 - w) * zscore(
-                      np.log(np.maximum(y.scores, 1e-12))))
-                  for e, x, y in zip(encoded, _scored(a, lm, encoded, labels, seed, cache),
-                                     _scored(b, lm, encoded, labels, seed, cache))]
-    elif method == "writer_hybrid":
-        a, b, w = WRITER_HYBRID
-        scored = [x if not isinstance(x, ScoredChain) else y if not isinstance(y, ScoredChain)
-                  else ScoredChain.from_encoded(e, method, w * zscore(x.scores)
-                                                + (1 - w) * zscore(y.scores))
+                      np.log(np.maximum(y.scores, 1e-12)) if log_b else y.scores))
                   for e, x, y in zip(encoded, _scored(a, lm, encoded, labels, seed, cache),
                                      _scored(b, lm, encoded, labels, seed, cache))]
     elif method == "mist_alpha":
