@@ -557,7 +557,8 @@ class MistScorer(BackpropScorer):
         share = self.shares_prefix(batch[0])
         width = max(self.batch_length(e) for e in batch)
         P = max(shared_prefix(e) for e in batch)
-        answers = sum(e.answer_len for e in batch) + sum(len(p) for p in self._facts(batch, 0) or ())
+        facts = sum(len(p) for p in self._facts(batch, 0) or ())  # more logit rows
+        answers = sum(e.answer_len for e in batch) + facts
         return self.footprint.need(len(batch) * width, plan, prefix_positions=len(batch) * P,
                                    mask_cells=len(batch) * width * (P + width) if share else 0,
                                    logit_rows=answers, vocab=self.lm.unembedding.shape[0])

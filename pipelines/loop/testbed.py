@@ -50,9 +50,9 @@ log = logging.getLogger("pipelines.loop.testbed")
 METHODS = ("mist", "necessity", "sufficiency", "h2o", "crisp", "perplexity", "gogi_l1", "uniform",
            "tail", "head", "mist_clipped", "mist_mean", "mist_equation", "mist_alpha", "hybrid",
            "mist_facts", "h2o_facts", "mist_writer", "necessity_writer", "writer_hybrid",
-           "mist_writer_facts", "necessity_writer_facts", "writer_hybrid_facts", "mist_eq", "h2o_eq",
-           "mist_writer_eq", "necessity_writer_eq", "writer_hybrid_eq", "oracle", "oracle_near",
-           "oracle_cue")
+           "mist_writer_facts", "necessity_writer_facts", "writer_hybrid_facts", "mist_eq",
+           "h2o_eq", "mist_writer_eq", "necessity_writer_eq", "writer_hybrid_eq", "oracle",
+           "oracle_near", "oracle_cue")
 # Not scorers: `head` keeps the first tokens (truncation), `tail` the last; `oracle` keeps the
 # generator's ground truth (operands, operators, results) and the equations' `=` first, then
 # random tokens up to ⌈γT⌉: the ceiling for any scorer. `oracle_near` fills with the tokens
