@@ -36,14 +36,13 @@ from mist_core.measures.stats import bootstrap_indices, ci_mean  # noqa: E402
 from mist_core.scoring.prune import (EQUATION, NUMBER, UNITS, budget_tokens, cut_numbers,  # noqa: E402
                                      prune_scores)
 from mist_core.scoring.scorer import zscore  # noqa: E402
+from pipelines.loop.testbed import HYBRIDS, VARIANTS  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
-SCORERS = {"mist": ("mist", {"layer_weights": "signed"}), "mist_clipped": ("mist", {"layer_weights": "clipped"}),
-           "h2o": ("h2o", {}), "crisp": ("crisp", {}),
-           "mist_mean": ("mist", {"layer_weights": "clipped", "ablation": "mean"}),
-           # necessity of the answer and of the chain's own numbers and operators
-           "mist_writer": ("mist", {"layer_weights": "clipped", "target": "facts"}),
-           "necessity_writer": ("necessity", {"layer_weights": "clipped", "target": "facts"})}
+# The testbed's scorers of the same names (writer_hybrid: MistScorer's target "both").
+SCORERS = {**{m: VARIANTS[m] for m in ("mist", "mist_clipped", "mist_mean", "mist_writer",
+                                       "necessity_writer", "writer_hybrid")},
+           "h2o": ("h2o", {}), "crisp": ("crisp", {})}
 UNIT_METHODS = ("mist", "mist_clipped", "h2o", "mist_writer", "necessity_writer",
                 "writer_hybrid")  # at every unit
 WORD_METHODS = ("crisp", "mist_mean", "hybrid")  # at the job's default unit only
@@ -209,11 +208,10 @@ def main(argv=None) -> int:
     methods = a.methods.split(",") if a.methods else None
     if methods is not None and not set(methods) <= set(UNIT_METHODS + WORD_METHODS):
         p.error(f"--methods: each of {', '.join(UNIT_METHODS + WORD_METHODS)}")
-    # what the arms score with: hybrid combines mist_clipped's and h2o's scores
-    needed = set(methods or SCORERS) | ({"mist_clipped", "h2o"} if methods is None
-                                        or "hybrid" in methods else set()) | (
-        {"mist_clipped", "necessity_writer"} if methods is None or "writer_hybrid" in methods
-        else set())
+    # what the arms score with: hybrid combines two scorings (the testbed's HYBRIDS)
+    a_, b_, w_, log_b = HYBRIDS["hybrid"]
+    needed = set(methods or SCORERS) | ({a_, b_} if methods is None or "hybrid" in methods
+                                        else set())
     t0 = time.time()
     lm = load_model(a.model)
     adapter = get_adapter("gsm8k")
@@ -222,12 +220,9 @@ def main(argv=None) -> int:
     encoded = [template.encode(ex) for ex in examples]
     scores = {m: [s.scores for s in get_scorer(name, lm, **kw).score_encoded(encoded)]
               for m, (name, kw) in SCORERS.items() if m in needed}
-    if {"mist_clipped", "h2o"} <= set(scores):
-        scores["hybrid"] = [0.5 * zscore(m) + 0.5 * zscore(np.log(np.maximum(h, 1e-12)))
-                            for m, h in zip(scores["mist_clipped"], scores["h2o"])]
-    if {"mist_clipped", "necessity_writer"} <= set(scores):  # the reader's and the writer's
-        scores["writer_hybrid"] = [0.5 * zscore(m) + 0.5 * zscore(w) for m, w in
-                                   zip(scores["mist_clipped"], scores["necessity_writer"])]
+    if {a_, b_} <= set(scores):
+        scores["hybrid"] = [w_ * zscore(x) + (1 - w_) * zscore(
+            np.log(np.maximum(y, 1e-12)) if log_b else y) for x, y in zip(scores[a_], scores[b_])]
     per_chain = []
     for i, enc in enumerate(encoded):
         per_chain.append(measure_chain(lm, enc, {m: v[i] for m, v in scores.items()}, budgets,

@@ -90,6 +90,19 @@ def test_keeping_every_kth_state_equals_plain_autograd_fp64(tiny_lm64, examples,
     assert_agrees_with_the_reference(scorer, examples, scorer.score(examples))
 
 
+def test_two_objectives_through_kept_states_equal_plain_autograd_fp64(tiny_lm64, examples):
+    """target="both" in the leanest regime (MLP in pieces, every other state kept): each
+    block's rerun is backpropagated twice, the answer's and the facts' gradients."""
+    scorer = forced(MistScorer(tiny_lm64, share_prefix=False, max_batch=8, target="both"),
+                    Plan(recompute=True, mlp_pieces=True, keep_every=2))
+    for ex, res in zip(examples, scorer.score(examples)):
+        enc = scorer.encode(ex)
+        for name, target in (("necessity", "answer"), ("facts_necessity", "facts")):
+            ref = first_order(scorer.lm, enc, layer_weights="clipped", target=target)
+            np.testing.assert_allclose(getattr(res, name), ref["necessity"], rtol=1e-5,
+                                       atol=1e-9, err_msg=name)
+
+
 def test_long_chains_every_regime_agrees_with_the_reference_fp32(monkeypatch):
     """Chains of ~600 tokens (past the tiny models' usual context) in fp32, two of unequal
     length in one batch: every regime agrees with the independent computation to 1e-5 of
@@ -388,6 +401,9 @@ def test_need_grows_with_positions():
     assert fp.need(n, pieces) < fp.need(n, recomputed)
     assert fp.need(2 * n, pieces) - fp.need(n, pieces) == \
         pytest.approx(fp.OVERHEAD * n * fp.per_token(pieces))
+    # a second objective backpropagated through the pass holds one more gradient state
+    assert fp.need(100, pieces, gradients=2) - fp.need(100, pieces) == \
+        pytest.approx(fp.OVERHEAD * 100 * fp.state)
 
 
 def test_mlp_pieces_give_the_same_numbers_and_leave_the_model_as_it_was(tiny_lm):

@@ -82,6 +82,33 @@ def test_facts_target_equals_plain_autograd_fp64(tiny_lm64, examples, share_pref
         MistScorer(tiny_lm64, target="question")
 
 
+@pytest.mark.parametrize("share_prefix,recompute", [(True, False), (False, False), (False, True)])
+def test_both_targets_from_one_source_pass_fp64(tiny_lm64, examples, share_prefix, recompute):
+    """target="both": one source forward, two backwards. The answer's axes are target
+    "answer"'s, `facts_necessity` is target "facts"'s necessity (both against the
+    plain-autograd reference), and the scores are the mean of the two rankings z-scored:
+    MIST's and the writer's necessity (0.5·z(mist) + 0.5·z(necessity with target facts))."""
+    kw = dict(share_prefix=share_prefix, recompute=recompute, max_batch=8)
+    scorer = MistScorer(tiny_lm64, target="both", **kw)
+    mist = MistScorer(tiny_lm64, **kw).score(examples)
+    writer = MistScorer(tiny_lm64, axes=["necessity"], target="facts", **kw).score(examples)
+    for ex, got, paper, w in zip(examples, scorer.score(examples), mist, writer):
+        enc = scorer.encode(ex)
+        ref = first_order(tiny_lm64, enc, layer_weights="clipped")
+        ref_facts = first_order(tiny_lm64, enc, layer_weights="clipped", target="facts")
+        for name in ["necessity_per_layer", "sufficiency_per_layer", "necessity", "sufficiency",
+                     "log_likelihood", "nochain_log_likelihood"]:
+            np.testing.assert_allclose(getattr(got, name), ref[name], rtol=1e-5, atol=1e-9,
+                                       err_msg=name)
+        np.testing.assert_allclose(got.facts_necessity, ref_facts["necessity"], rtol=1e-5,
+                                   atol=1e-9)
+        assert np.abs(got.facts_necessity - got.necessity).max() > 1e-4  # two signals
+        z = lambda v: (v - v.mean()) / v.std()
+        np.testing.assert_allclose(got.scores, 0.5 * z(paper.scores) + 0.5 * z(w.scores),
+                                   rtol=1e-6, atol=1e-6)
+        assert paper.facts_necessity is None and got.method == "mist"
+
+
 def test_clipped_layer_weights_drop_the_layers_that_count_against(tiny_lm64, examples):
     """layer_weights="clipped" (the default): Eq. 7 with max(c̄_l, 0), from the plain-autograd
     reference's per-layer terms; the reported c̄ and per-layer terms are the paper's."""

@@ -97,6 +97,18 @@ def test_layer_weights_are_the_scorers_and_mist_only():
         JobConfig(method="h2o", layer_weights="signed")
 
 
+def test_the_necessity_target_is_mist_and_necessity_only():
+    from mist_core.scoring.choices import TARGETS
+
+    assert JobConfig.model_fields["target"].json_schema_extra["choices"] == TARGETS
+    assert JobConfig(target="both").scoring().target == "both"  # mist takes it
+    assert JobConfig(method="necessity", target="facts").scoring().target == "facts"
+    assert "target" not in JobConfig(method="sufficiency").scoring().options()
+    for method in ("sufficiency", "h2o"):
+        with pytest.raises(ConfigError, match="target is MIST's"):
+            JobConfig(method=method, target="both")
+
+
 def test_the_scoring_actor_builds_the_scorer_the_settings_name(model_dir):
     from pipelines.job import stages
 
@@ -139,6 +151,13 @@ def test_a_refresh_keeps_the_layer_weights_of_the_output():
         check_compatible(facts, "m", existing({"layer_weights": "clipped"}), out)
     check_compatible(facts, "m", existing({"layer_weights": "clipped", "facts_first": True}), out)
     check_compatible(facts, "m", empty, out)
+    # An output from before the target setting differentiated the answer alone.
+    both = JobConfig(budgets=[0.5], target="both")
+    with pytest.raises(ConfigError, match="target 'answer' vs 'both'"):
+        check_compatible(both, "m", existing({"layer_weights": "clipped", "facts_first": True}),
+                         out)
+    check_compatible(both, "m", existing({"layer_weights": "clipped", "facts_first": True,
+                                          "target": "both"}), out)
 
 
 def test_one_builder_makes_every_registered_scorer(tiny_lm):
@@ -158,8 +177,8 @@ def test_one_builder_makes_every_registered_scorer(tiny_lm):
             assert scorer.method == name and scorer.max_batch == scoring.max_batch
             built += 1
     assert built >= 2 * (len(scorer_names()) - 1)
-    mist = JobConfig(alpha=0.3, layer_weights="signed").scoring().scorer(tiny_lm)
-    assert (mist.alpha, mist.layer_weights) == (0.3, "signed")
+    mist = JobConfig(alpha=0.3, layer_weights="signed", target="both").scoring().scorer(tiny_lm)
+    assert (mist.alpha, mist.layer_weights, mist.target) == (0.3, "signed", "both")
     assert "alpha" not in JobConfig(method="sufficiency", alpha=0.3).scoring().options()
     with pytest.raises(ValueError, match="alpha is not an option of h2o"):
         Scoring("h2o", alpha=0.3)

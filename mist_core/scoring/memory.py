@@ -66,11 +66,15 @@ class Footprint:
         return per + self.block + self.transient + self.mlp_transient
 
     def need(self, positions: int, plan: "Plan", prefix_positions: int = 0,
-             mask_cells: int = 0, logit_rows: int = 0, vocab: int = 0) -> float:
-        """Bytes a pass over `positions` (padded) token positions takes beyond the model."""
+             mask_cells: int = 0, logit_rows: int = 0, vocab: int = 0,
+             gradients: int = 1) -> float:
+        """Bytes a pass over `positions` (padded) token positions takes beyond the model.
+        `gradients`: the objectives backpropagated through it (passes.residual_pass's
+        on_also_grad): each more holds a gradient state at a time."""
         from .passes import MLP_POSITIONS
 
-        fixed = prefix_positions * self.kv + mask_cells + 3 * 4 * logit_rows * vocab
+        fixed = (prefix_positions * self.kv + mask_cells + 3 * 4 * logit_rows * vocab
+                 + (gradients - 1) * positions * self.state)
         if plan.recompute and plan.mlp_pieces:  # one MLP piece: activations and temporaries
             fixed += min(positions, MLP_POSITIONS) * (self.mlp + self.mlp_transient)
         return self.OVERHEAD * (positions * self.per_token(plan) + fixed)

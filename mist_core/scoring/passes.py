@@ -77,12 +77,15 @@ def residual_pass(lm: LM, ids: torch.Tensor, spans: list[tuple[int, int]], *,
                   grad_layers: Sequence[int] = (), plan: Plan = Plan(),
                   on_state: OnState | None = None, on_grad: OnGrad | None = None,
                   prefix_kv: PrefixKV | None = None,
-                  also: Sequence[Sequence[int]] | None = None, **base_kwargs) -> list[float]:
+                  also: Sequence[Sequence[int]] | None = None,
+                  on_also_grad: OnGrad | None = None, **base_kwargs) -> list[float]:
     """Run the decoder on `ids` (extra arguments go to the base model: attention_mask,
     position_ids, a prefix cache), score log p(ids[b, span_b]) and backpropagate it to the
     residual stream of `grad_layers` (block numbers 1..L). Returns each row's log p.
     `also`: per row, more positions t whose log p(ids[b, t] | ids[b, :t]) joins what is
-    backpropagated, not what is returned.
+    backpropagated, not what is returned. With `on_also_grad` too, both are backpropagated
+    through the one forward: on_grad gets the spans' gradient alone, on_also_grad that of
+    the spans and `also` (one more backward, no more forward).
 
     `plan` (with `recompute`): `mlp_pieces` runs each block's MLP `MLP_POSITIONS` positions
     at a time, each piece checkpointed (chunked_mlp): one more MLP forward per block in the
@@ -95,7 +98,7 @@ def residual_pass(lm: LM, ids: torch.Tensor, spans: list[tuple[int, int]], *,
     grad_layers = sorted(set(grad_layers))
     if plan.recompute and grad_layers:
         return _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs,
-                           plan, also)
+                           plan, also, on_also_grad)
     if grad_layers:  # the saved activations' pages, mapped once, serve the next pass too
         allocator.keep_freed(lm.device)
     with trace(lm, grad=bool(grad_layers), on_state=on_state) as tr, \
@@ -104,35 +107,46 @@ def residual_pass(lm: LM, ids: torch.Tensor, spans: list[tuple[int, int]], *,
             fused_swiglu(lm) if grad_layers else nullcontext():
         out = run_base(lm, ids, **base_kwargs)
         lps = span_logprobs(lm, out.last_hidden_state, spans, ids)
-        objective = _objective(lm, out.last_hidden_state, lps, ids, also) if grad_layers else None
+        objectives = (_objectives(lm, out.last_hidden_state, lps, ids, also, on_grad,
+                                  on_also_grad) if grad_layers else [])
         del out
         if grad_layers:
-            handles = [tr.states[l].register_hook(_grad_hook(on_grad, l, tr.states[l].detach()))
+            current = [None]  # the callback of the objective being backpropagated
+            handles = [tr.states[l].register_hook(_grad_hook(current, l, tr.states[l].detach()))
                        for l in grad_layers]
             try:
-                torch.autograd.grad(objective, [tr.states[grad_layers[0]]])
+                for i, (objective, callback) in enumerate(objectives):
+                    current[0] = callback
+                    torch.autograd.grad(objective, [tr.states[grad_layers[0]]],
+                                        retain_graph=i < len(objectives) - 1)
             finally:
                 for h in handles:
                     h.remove()
     return [float(lp.detach().sum()) for lp in lps]
 
 
-def _grad_hook(on_grad: OnGrad | None, layer: int, h: torch.Tensor):
+def _grad_hook(current: list, layer: int, h: torch.Tensor):
     def hook(g):
-        if on_grad:
-            on_grad(layer, g, h)
+        if current[0]:
+            current[0](layer, g, h)
     return hook
 
 
-def _objective(lm: LM, hidden: torch.Tensor, lps: list[torch.Tensor], ids: torch.Tensor,
-               also: Sequence[Sequence[int]] | None) -> torch.Tensor:
-    """What the backward differentiates: the spans' log p, and `also`'s positions'."""
-    total = torch.stack([lp.sum() for lp in lps]).sum()
+def _objectives(lm: LM, hidden: torch.Tensor, lps: list[torch.Tensor], ids: torch.Tensor,
+                also: Sequence[Sequence[int]] | None, on_grad: OnGrad | None,
+                on_also_grad: OnGrad | None) -> list[tuple[torch.Tensor, OnGrad | None]]:
+    """What the backward differentiates, each with the callback its gradients go to: the
+    spans' log p and `also`'s positions' (to on_grad), or with on_also_grad the spans' alone
+    (to on_grad) and both (to on_also_grad)."""
+    spans = torch.stack([lp.sum() for lp in lps]).sum()
     pairs = [(b, t) for b, ts in enumerate(also or ()) for t in ts if t >= 1]
+    total = spans
     if pairs:
         rows, pos = zip(*pairs)
-        total = total + token_logprobs(lm, hidden, rows, pos, ids).sum()
-    return total
+        total = spans + token_logprobs(lm, hidden, rows, pos, ids).sum()
+    if on_also_grad is None:
+        return [(total, on_grad)]
+    return [(spans, on_grad), (total, on_also_grad)]
 
 
 # Token positions a recomputed pass runs through a block's MLP at a time.
@@ -215,18 +229,18 @@ def unread_down_proj(lm: LM):
 
 
 def _recomputed(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs,
-                plan, also=None):
+                plan, also=None, on_also_grad=None):
     # fused_swiglu first: chunked_mlp's pieces then run its forward
     with fused_swiglu(lm), chunked_mlp(lm, enabled=plan.mlp_pieces), \
             allocator.freed_to_the_system(lm.device), unread_down_proj(lm), fused_norms(lm), \
             attention.cpu_attention(lm, min(plan.attention_kept, lm.n_layers - grad_layers[0])) \
             as kept:
         return _recomputed_pass(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv,
-                                base_kwargs, max(1, plan.keep_every), kept, also)
+                                base_kwargs, max(1, plan.keep_every), kept, also, on_also_grad)
 
 
 def _recomputed_pass(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, base_kwargs,
-                     keep_every, kept, also=None):
+                     keep_every, kept, also=None, on_also_grad=None):
     L = lm.n_layers
     with trace(lm, capture_inputs=True, on_state=on_state,
                keep=lambda l: l % keep_every == 0 or l == L) as tr, torch.no_grad():
@@ -246,10 +260,11 @@ def _recomputed_pass(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, 
         top = states[L].detach().requires_grad_(True)
         hidden = lm.final_norm(top)
         lps = span_logprobs(lm, hidden, spans, ids)
-        (g,) = torch.autograd.grad(_objective(lm, hidden, lps, ids, also), [top])
-    del top
-    if L in grad_layers and on_grad:
-        on_grad(L, g, states[L])
+        objectives = _objectives(lm, hidden, lps, ids, also, on_grad, on_also_grad)
+        callbacks = [callback for _, callback in objectives]
+        gs = _grads([o for o, _ in objectives], top)
+    del top, objectives
+    _report(callbacks, L, gs, states, grad_layers)
     for l in range(L, grad_layers[0], -1):
         if states[l - 1] is None:  # a segment between kept states: its states again, no graph
             lo = max(j for j in range(l - 1) if states[j] is not None)
@@ -259,12 +274,27 @@ def _recomputed_pass(lm, ids, spans, grad_layers, on_state, on_grad, prefix_kv, 
         with torch.enable_grad():
             h_in = states[l - 1].detach().requires_grad_(True)
             out = rerun(l, h_in)
-            (g,) = torch.autograd.grad(out, [h_in], g)
+            gs = _grads([out] * len(gs), h_in, gs)
         del out, h_in
         states[l] = None  # no longer needed: frees its memory as the backward descends
-        if l - 1 in grad_layers and on_grad:
-            on_grad(l - 1, g, states[l - 1])
+        _report(callbacks, l - 1, gs, states, grad_layers)
     return [float(lp.detach().sum()) for lp in lps]
+
+
+def _grads(outputs: list[torch.Tensor], x: torch.Tensor,
+           cotangents: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """∂outputs[i]/∂x (with cotangents[i]) for each i, through one graph: kept for all but
+    the last."""
+    n = len(outputs)
+    return [torch.autograd.grad(o, [x], None if cotangents is None else cotangents[i],
+                                retain_graph=i < n - 1)[0] for i, o in enumerate(outputs)]
+
+
+def _report(callbacks, layer: int, gs: list[torch.Tensor], states, grad_layers) -> None:
+    if layer in grad_layers:
+        for callback, g in zip(callbacks, gs):
+            if callback:
+                callback(layer, g, states[layer])
 
 
 def _is_cache(v) -> bool:

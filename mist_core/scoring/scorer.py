@@ -36,6 +36,7 @@ class ScoredChain:
         target_final: the position in target_ids before the answer's first token.
         chain_offsets: [T, 2] each chain token's character span in example.cot.
         necessity, sufficiency: (MIST) [T] Eq. 7's axes, before normalisation.
+        facts_necessity: (MIST, target "both") [T] necessity with the facts' target.
         necessity_per_layer, sufficiency_per_layer: (MIST) [L, T] Eq. 4 and Eq. 5.
         layer_weights: (MIST) [L] Eq. 6's c̄ of the layers aggregated over.
         layers: (MIST) the block numbers (1-based) of the per-layer rows.
@@ -68,6 +69,7 @@ class ScoredChain:
     chain_offsets: np.ndarray  # [T, 2] character spans within example.cot
     necessity: np.ndarray | None = None  # [T] Eq. 7, before normalisation
     sufficiency: np.ndarray | None = None
+    facts_necessity: np.ndarray | None = None  # [T] necessity of the answer and the facts
     necessity_per_layer: np.ndarray | None = None  # [L, T] Eq. 4
     sufficiency_per_layer: np.ndarray | None = None  # [L, T] Eq. 5
     layer_weights: np.ndarray | None = None  # [L] Eq. 6
@@ -460,7 +462,10 @@ class MistScorer(BackpropScorer):
             paper) or "facts" (that plus the log p of each of the chain's own numbers and
             operators given what precedes it: the chain's words that the later steps are
             written from count too, as a model trained on the pruned chain must write them).
-            The log-likelihoods on the result are Eq. 1's either way.
+            "both" scores with the answer's axes (Eq. 8) and, from one more backward of the
+            same source pass, the facts' necessity (`facts_necessity`), and ranks by the
+            mean of the two, each z-scored: the reader's and the writer's signal. The
+            log-likelihoods on the result are Eq. 1's whatever the target.
         recompute: None (the default) picks per batch the cheapest way that fits
             max_memory; True or False forces recomputing the blocks in the backward or
             storing their activations.
@@ -561,12 +566,13 @@ class MistScorer(BackpropScorer):
         answers = sum(e.answer_len for e in batch) + facts
         return self.footprint.need(len(batch) * width, plan, prefix_positions=len(batch) * P,
                                    mask_cells=len(batch) * width * (P + width) if share else 0,
-                                   logit_rows=answers, vocab=self.lm.unembedding.shape[0])
+                                   logit_rows=answers, vocab=self.lm.unembedding.shape[0],
+                                   gradients=2 if self.target == "both" else 1)
 
     def _facts(self, batch: list[Encoded], k) -> list[np.ndarray] | None:
-        """With target "facts": each row's fact tokens' positions in the source pass (its
-        ids from k[b] on, or from 0 with k an int); else None."""
-        if self.target != "facts":
+        """With target "facts" or "both": each row's fact tokens' positions in the source
+        pass (its ids from k[b] on, or from 0 with k an int); else None."""
+        if self.target == "answer":
             return None
         k = [k] * len(batch) if isinstance(k, int) else k
         return [e.chain_start - n + np.flatnonzero(fact_tokens(e.example.cot, e.chain_offsets))
@@ -628,16 +634,21 @@ class MistScorer(BackpropScorer):
                 [e.chain_len for e in batch], device=lm.device)[:, None])
             chain = chain / chain.sum(1, keepdim=True)  # [B, S], rows sum to 1
 
-        def on_grad(l, g, h):
-            g, h = wide(g), wide(h)
-            phi[sel[l]] = (g * h).sum(-1)  # Eq. 4
-            if self.ablation == "mean":  # ⟨∇h_i, h_i − h̄⟩, h̄ the chain's mean state
-                hbar = torch.einsum("bs,bsd->bd", chain.to(h.dtype), h)
-                phi[sel[l]] = phi[sel[l]] - torch.einsum("bsd,bd->bs", g, hbar)
+        def eq4(terms):
+            def on_grad(l, g, h):
+                g, h = wide(g), wide(h)
+                terms[sel[l]] = (g * h).sum(-1)  # Eq. 4
+                if self.ablation == "mean":  # ⟨∇h_i, h_i − h̄⟩, h̄ the chain's mean state
+                    hbar = torch.einsum("bs,bsd->bd", chain.to(h.dtype), h)
+                    terms[sel[l]] = terms[sel[l]] - torch.einsum("bsd,bd->bs", g, hbar)
+            return on_grad
 
+        both = nec and self.target == "both"
+        phi_facts = [None] * len(sel)
         ll_src = residual_pass(lm, ids, spans, grad_layers=self.layers if nec else (),
-                               plan=plan, on_state=on_state, on_grad=on_grad,
-                               also=self._facts(batch, k) if nec else None, **kwargs)
+                               plan=plan, on_state=on_state, on_grad=eq4(phi),
+                               also=self._facts(batch, k) if nec else None,
+                               on_also_grad=eq4(phi_facts) if both else None, **kwargs)
         proj_t = torch.stack(proj)  # [L+1, B, S]
         layer_idx = torch.tensor(self.layers, device=lm.device)
         out = []
@@ -652,6 +663,9 @@ class MistScorer(BackpropScorer):
                 per_layer = torch.stack([x[b, cs:ce] for x in phi])
                 fields.update(necessity_per_layer=per_layer,
                               necessity=eq7(per_layer, cbar, self.layer_weights))
+            if both:
+                fields["facts_necessity"] = eq7(torch.stack([x[b, cs:ce] for x in phi_facts]),
+                                                cbar, self.layer_weights)
             if suff:
                 per_layer = torch.stack([x[b, cs:ce] for x in psi])
                 fields.update(sufficiency_per_layer=per_layer,
@@ -663,7 +677,7 @@ class MistScorer(BackpropScorer):
             lls = {"log p(answer | question, chain)": ll_src[b]}
             if suff:
                 lls["log p(answer | question, no chain)"] = ll_tgt[b]
-            axes = {a: fields[a] for a in self.axes}
+            axes = {a: fields[a] for a in self.axes + (("facts_necessity",) if both else ())}
             if not (np.isfinite(list(lls.values())).all()
                     and bool(torch.isfinite(torch.stack(list(axes.values()))).all())):
                 out.append(nonfinite(enc, {**lls, **axes}) or NonFiniteScores(
@@ -672,5 +686,8 @@ class MistScorer(BackpropScorer):
             fields = {k_: v.detach().cpu().double().numpy() if torch.is_tensor(v) else v
                       for k_, v in fields.items()}
             scores = combine(fields.get("necessity"), fields.get("sufficiency"), self.alpha)
+            if both:
+                scores = 0.5 * zscore(scores) + 0.5 * zscore(
+                    combine(fields["facts_necessity"], None, self.alpha))
             out.append(ScoredChain.from_encoded(enc, self.method, scores, **fields))
         return out

@@ -25,6 +25,7 @@ from pydantic import field_validator
 from mist_core import Example, MistScorer, get_adapter, load_model
 from mist_core.data.templates import Encoded
 from mist_core.scoring import allocator
+from mist_core.scoring.choices import TARGETS
 from mist_core.scoring.exact import exact_scores_encoded
 from mist_core.scoring.scorer import shared_prefix
 from mist_core.scoring.tracing import pad
@@ -150,7 +151,8 @@ def bench(args) -> dict:
         lm = random_model(args.model.split(":", 1)[1], args.dtype, args.device)
     else:
         lm = load_model(args.model, dtype=args.dtype, device=args.device)
-    scorer = MistScorer(lm, max_tokens=args.batch_tokens, max_batch=args.batch_size)
+    scorer = MistScorer(lm, max_tokens=args.batch_tokens, max_batch=args.batch_size,
+                        target=args.target)
     if args.synthetic:
         encoded = synthetic_encoded(args.synthetic, args.chain_tokens, lm.model.config.vocab_size)
     else:
@@ -172,7 +174,8 @@ def bench(args) -> dict:
                         warmup=lambda: None)
     tokens = sum(len(e.source_ids) for e in encoded)
     result = {
-        "model": lm.name, "device": args.device, "dtype": args.dtype, "chains": len(encoded),
+        "model": lm.name, "device": args.device, "dtype": args.dtype, "target": args.target,
+        "chains": len(encoded),
         "mean_tokens": tokens / len(encoded), "mean_chain_tokens": float(np.mean([e.chain_len for e in encoded])),
         "batch_tokens": args.batch_tokens, "repeats": args.repeats,
         "forward_s": t_fwd, "forward_no_head_s": t_body, "forward_sorted_8_s": t_fair,
@@ -258,6 +261,9 @@ class BenchConfig(Model):
                              metavar="N")
     chain_tokens: int = setting(350, "mean chain length of synthetic chains", group="input",
                                 metavar="N")
+    target: str = setting(TARGETS[0], "what MIST's necessity is the gradient of "
+                          "(MistScorer's target; both: one more backward)", group="input",
+                          choices=TARGETS)
     device: str = setting("cpu", "torch device", group="resources")
     tf32: bool = setting(False, "allow TF32 matmuls (Ampere and later)", group="resources")
     batch_tokens: int | str = setting(4096, "padded tokens per forward pass, or auto (as many "

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from mist_core.data.adapters import ADAPTERS
 from mist_core.data.formats import SFT_ALIASES
 from mist_core.data.templates import TEMPLATES
-from mist_core.scoring.choices import ALPHA, OPTIONS
+from mist_core.scoring.choices import ALPHA
 
 from .errors import ConfigError
 
@@ -26,7 +26,6 @@ DEFAULT_BUDGETS = [0.5, 0.6, 0.7, 0.8, 0.9]
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEVICES = ("auto", "cpu", "cuda")
 FORMATS = ("auto", "jsonl", "parquet")
-MIST_FAMILY = tuple(m for m, o in OPTIONS.items() if "layer_weights" in o)  # MIST and its axes
 
 
 def setting(default: Any = ..., help: str = "", *, group: str, metavar: str | None = None,

@@ -22,10 +22,11 @@ import ray
 from mist_core import reasons
 from mist_core.data.formats import (DATA_COLUMNS, REJECT_SCHEMA, SCORES_SCHEMA, budget_label,
                                     data_schema, fits, kinds_type, sft_budgets, sft_format_name)
+from mist_core.scoring.choices import OPTIONS
 
 from ..common import exits, rows, runtime, storage
 from . import lease, placement, stages
-from ..common.settings import MIST_FAMILY, one_line, parse
+from ..common.settings import one_line, parse
 from .config import JobConfig
 from ..common.errors import AccountingError, ConfigError, ErrorBudgetExceeded, causes
 from .output import Existing, Output
@@ -157,10 +158,11 @@ def check_compatible(cfg: JobConfig, model_name: str, existing: Existing, out: O
     if before:  # an output from before a setting was made as it was then: the paper's
         before.setdefault("layer_weights", "signed")  # weights, every unit ranked by score
         before.setdefault("facts_first", False)
+        before.setdefault("target", "answer")
     for key in ("adapter", "columns", "unit", "alpha", "keep_digits", "facts_first", "template",
-                "dtype", "sft_format", "sft_mix", "seed", "layer_weights"):
-        if key == "layer_weights" and cfg.method not in MIST_FAMILY:
-            continue  # weighs MIST's layers only
+                "dtype", "sft_format", "sft_mix", "seed", "layer_weights", "target"):
+        if key in ("layer_weights", "target") and key not in OPTIONS.get(cfg.method, ()):
+            continue  # MIST's own settings
         if key in before and before[key] != now[key]:
             problems.append(f"{key} {before[key]!r} vs {now[key]!r}")
     if problems:

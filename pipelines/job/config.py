@@ -6,12 +6,11 @@ from __future__ import annotations
 from pydantic import field_validator
 
 from mist_core.data.formats import SFT_FORMATS, SFT_MIXES, sft_format_name
-from mist_core.scoring.choices import LAYER_WEIGHTS, OPTIONS
+from mist_core.scoring.choices import LAYER_WEIGHTS, OPTIONS, TARGETS
 from mist_core.scoring.prune import UNITS
 
 from ..common.errors import ConfigError
-from ..common.settings import (DEVICES, MIST_FAMILY, RemoteCode, Settings, auto_or, positive,
-                               setting, shown)
+from ..common.settings import DEVICES, RemoteCode, Settings, auto_or, positive, setting, shown
 
 
 class JobConfig(Settings, RemoteCode):
@@ -55,6 +54,12 @@ class JobConfig(Settings, RemoteCode):
         "nothing (the default: it keeps more of the answer's likelihood and of the "
         "intermediate results on GSM8K, docs/results/units.md); signed, the paper's c̄_l",
         group="scoring", choices=LAYER_WEIGHTS)
+    target: str = setting(
+        TARGETS[0], "what MIST's necessity is the gradient of (mist, necessity): answer, "
+        "log p(answer) (the paper); facts, that plus the log p of the chain's own numbers and "
+        "operators (what a model trained on the pruned chain must write); both, MIST of the "
+        "answer and the facts' necessity, each z-scored and averaged (one more backward "
+        "pass; docs/results/writer/downstream.md)", group="scoring", choices=TARGETS)
     keep_digits: bool = setting(False, "always keep tokens with digits (may exceed the budget)",
                                 group="scoring")
     facts_first: bool = setting(True, "keep the numbers and arithmetic operators before any "
@@ -126,13 +131,16 @@ class JobConfig(Settings, RemoteCode):
         return Scoring(method=self.method, template=self.template, max_tokens=self.batch_tokens,
                        max_batch=self.batch_size,
                        max_memory="auto" if self.max_memory is None else self.max_memory,
-                       **{k: getattr(self, k) for k in ("alpha", "layer_weights") if k in taken})
+                       **{k: getattr(self, k) for k in ("alpha", "layer_weights", "target")
+                          if k in taken})
 
     def _check_more(self) -> None:
-        if (self.layer_weights != type(self).model_fields["layer_weights"].default
-                and self.method not in MIST_FAMILY):
-            raise ConfigError(f"layer_weights is MIST's ({', '.join(MIST_FAMILY)}), not "
-                              f"{self.method}'s")
+        for key in ("layer_weights", "target"):
+            family = [m for m, o in OPTIONS.items() if key in o]
+            if (getattr(self, key) != type(self).model_fields[key].default
+                    and self.method not in family):
+                raise ConfigError(f"{key} is MIST's ({', '.join(family)}), not "
+                                  f"{self.method}'s")
         if self.device == "cuda" and self.gpus_per_actor == 0:
             raise ConfigError("device cuda needs a GPU for each scoring actor: give "
                               "--gpus-per-actor 1 (or auto on a cluster with GPUs), or "

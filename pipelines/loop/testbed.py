@@ -76,7 +76,9 @@ VARIANTS = {"mist": ("mist", {"layer_weights": "signed"}),  # the paper's MIST a
             # clipped weights, necessity of the answer and of the chain's own numbers and
             # operators (target "facts": the words later steps are written from count too)
             "mist_writer": ("mist", {"layer_weights": "clipped", "target": "facts"}),
-            "necessity_writer": ("necessity", {"layer_weights": "clipped", "target": "facts"})}
+            "necessity_writer": ("necessity", {"layer_weights": "clipped", "target": "facts"}),
+            # both, one scorer: 0.5·z(mist_clipped) + 0.5·z(necessity_writer), each chain
+            "writer_hybrid": ("mist", {"layer_weights": "clipped", "target": "both"})}
 UNIT_OF = {"mist_equation": "equation"}
 # Another method's scores, pruned with the numbers and operators first (prune's facts_first)
 # or with the equations first (equations_first).
@@ -87,11 +89,10 @@ EQUATIONS_OF = {"mist_eq": "mist_clipped", "h2o_eq": "h2o", "mist_writer_eq": "m
 ALPHAS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 ALPHA_SLICE = 60  # Phase 0 chains α is chosen on
 # name -> (method a, method b, w, whether b's scores are taken in log): w·z(a) + (1 − w)·z(b).
-# hybrid: MIST with the attention signal that keeps intermediate results better;
-# writer_hybrid: the answer's MIST with the necessity of the chain's own facts (what the
-# reader needs and what the writer needs).
-HYBRIDS = {"hybrid": ("mist_clipped", "h2o", 0.5, True),
-           "writer_hybrid": ("mist_clipped", "necessity_writer", 0.5, False)}
+# hybrid: MIST with the attention signal that keeps intermediate results better. (The
+# writer's hybrid, the answer's MIST with the necessity of the chain's own facts, is one
+# scorer: MistScorer's target "both", VARIANTS.)
+HYBRIDS = {"hybrid": ("mist_clipped", "h2o", 0.5, True)}
 CONTROLS = ("full_chain", "no_chain", "shortest_of_k")
 # The arm of the project's default method (MistScorer's and `mist compress`'s defaults:
 # clipped layer weights, the numbers and operators kept first).
@@ -678,9 +679,9 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
         "`mist_writer` and `necessity_writer`: MIST and its necessity axis with the writer's "
         "target (necessity of log p(answer) plus the log p of the chain's own numbers and "
         "operators, `target=\"facts\"`); `writer_hybrid` 0.5·z(mist_clipped) + "
-        "0.5·z(necessity_writer). A `_facts` suffix prunes with the numbers and operators "
-        "first, `_eq` with the equations first (`equations_first`): the chain's "
-        "computations, not the numbers it restates.",
+        "0.5·z(necessity_writer), one scorer (`target=\"both\"`). A `_facts` suffix prunes "
+        "with the numbers and operators first, `_eq` with the equations first "
+        "(`equations_first`): the chain's computations, not the numbers it restates.",
         f"- Phase 3: greedy answers on {sizes.test} new test questions under each γ (the "
         "controls under 1.0). *Chain tokens*: tokens the model writes before `The answer is`.",
         "- *Precision / recall*: of the chain tokens a method keeps at γ in the Phase 0 corpus "
