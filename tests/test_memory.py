@@ -46,7 +46,8 @@ def assert_agrees_with_the_reference(scorer, examples, got):
 
 @pytest.mark.parametrize("share,recompute", REGIMES, ids=[f"share={s}-recompute={r}" for s, r in REGIMES])
 def test_every_regime_equals_plain_autograd_fp64(tiny_lm64, examples, share, recompute):
-    scorer = MistScorer(tiny_lm64, share_prefix=share, recompute=recompute, max_batch=8)
+    scorer = MistScorer(tiny_lm64, share_prefix=share, recompute=recompute, max_batch=8,
+                        target="answer")
     got = scorer.score(examples)
     assert_agrees_with_the_reference(scorer, examples, got)
     for res in got:
@@ -70,7 +71,7 @@ def test_a_masked_pass_takes_the_grouped_heads_as_they_are(tiny_lm64, examples, 
         return real(hidden, n_rep)
 
     monkeypatch.setattr(sdpa_attention, "repeat_kv", counted)
-    scorer = MistScorer(tiny_lm64, share_prefix=True, max_batch=8)
+    scorer = MistScorer(tiny_lm64, share_prefix=True, max_batch=8, target="answer")
     got = scorer.score(examples)
     assert repeated == []
     assert_agrees_with_the_reference(scorer, examples, got)
@@ -85,7 +86,7 @@ def forced(scorer: MistScorer, plan: Plan) -> MistScorer:
 def test_keeping_every_kth_state_equals_plain_autograd_fp64(tiny_lm64, examples, keep_every):
     """The states between two kept ones are computed again when the backward reaches them:
     the same numbers as the reference, whether the kept ones fall on the top block or not."""
-    scorer = forced(MistScorer(tiny_lm64, share_prefix=False, max_batch=8),
+    scorer = forced(MistScorer(tiny_lm64, share_prefix=False, max_batch=8, target="answer"),
                     Plan(recompute=True, mlp_pieces=True, keep_every=keep_every))
     assert_agrees_with_the_reference(scorer, examples, scorer.score(examples))
 
@@ -135,7 +136,8 @@ def test_long_chains_every_regime_agrees_with_the_reference_fp32(monkeypatch):
     regimes += [(False, Plan(recompute=True, attention_kept=2)),
                 (False, Plan(recompute=True, mlp_pieces=True, keep_every=2, attention_kept=3))]
     for share, plan in regimes:
-        scorer = MistScorer(lm, share_prefix=share, max_batch=8, max_tokens=8192)
+        scorer = MistScorer(lm, share_prefix=share, max_batch=8, max_tokens=8192,
+                            target="answer")
         got = forced(scorer, plan).score_encoded(encs)
         for g, ref in zip(got, refs):
             for name in ["necessity_per_layer", "sufficiency_per_layer", "layer_weights"]:

@@ -9,7 +9,8 @@ FIELDS = ["necessity_per_layer", "sufficiency_per_layer", "layer_weights", "nece
 
 
 def test_first_order_equals_plain_autograd_fp64(tiny_lm64, examples):
-    scorer = MistScorer(tiny_lm64, alpha=0.6, layer_weights="signed")  # the paper's
+    # the paper's
+    scorer = MistScorer(tiny_lm64, alpha=0.6, layer_weights="signed", target="answer")
     results = scorer.score(examples)
     for ex, got in zip(examples, results):
         ref = first_order(tiny_lm64, scorer.encode(ex))
@@ -20,7 +21,7 @@ def test_first_order_equals_plain_autograd_fp64(tiny_lm64, examples):
 
 
 def test_first_order_equals_plain_autograd_fp32(tiny_lm, examples):
-    scorer = MistScorer(tiny_lm, layer_weights="signed")
+    scorer = MistScorer(tiny_lm, layer_weights="signed", target="answer")
     for ex, got in zip(examples, scorer.score(examples)):
         ref = first_order(tiny_lm, scorer.encode(ex))
         for name in ["necessity_per_layer", "sufficiency_per_layer", "layer_weights"]:
@@ -30,8 +31,8 @@ def test_first_order_equals_plain_autograd_fp32(tiny_lm, examples):
 
 
 def test_alpha_weights_the_axes(tiny_lm64, examples):
-    both = MistScorer(tiny_lm64, alpha=0.25).score(examples[:1])[0]
-    nec = MistScorer(tiny_lm64, axes=["necessity"]).score(examples[:1])[0]
+    both = MistScorer(tiny_lm64, alpha=0.25, target="answer").score(examples[:1])[0]
+    nec = MistScorer(tiny_lm64, axes=["necessity"], target="answer").score(examples[:1])[0]
     suf = MistScorer(tiny_lm64, axes=["sufficiency"]).score(examples[:1])[0]
     np.testing.assert_allclose(both.scores, 0.25 * nec.scores + 0.75 * suf.scores, atol=1e-10)
     np.testing.assert_allclose(nec.necessity, both.necessity, rtol=1e-10)
@@ -46,8 +47,8 @@ def test_mean_ablation_equals_plain_autograd_fp64(tiny_lm64, examples, share_pre
     """ablation="mean" (a variant): necessity's baseline is the chain's mean state at each
     layer, ⟨∇h_i, h_i − h̄⟩; one batch of chains of different lengths, with and without the
     prefix cache."""
-    scorer = MistScorer(tiny_lm64, ablation="mean", share_prefix=share_prefix)
-    zero = MistScorer(tiny_lm64, share_prefix=share_prefix).score(examples)
+    scorer = MistScorer(tiny_lm64, ablation="mean", share_prefix=share_prefix, target="answer")
+    zero = MistScorer(tiny_lm64, share_prefix=share_prefix, target="answer").score(examples)
     for ex, got, paper in zip(examples, scorer.score(examples), zero):
         ref = first_order(tiny_lm64, scorer.encode(ex), ablation="mean",
                           layer_weights=scorer.layer_weights)
@@ -69,7 +70,8 @@ def test_facts_target_equals_plain_autograd_fp64(tiny_lm64, examples, share_pref
     and the sufficiency axis is the answer's as before."""
     scorer = MistScorer(tiny_lm64, target="facts", share_prefix=share_prefix, recompute=recompute,
                         max_batch=8)
-    answer = MistScorer(tiny_lm64, share_prefix=share_prefix, max_batch=8).score(examples)
+    answer = MistScorer(tiny_lm64, share_prefix=share_prefix, max_batch=8,
+                        target="answer").score(examples)
     for ex, got, paper in zip(examples, scorer.score(examples), answer):
         ref = first_order(tiny_lm64, scorer.encode(ex), layer_weights="clipped", target="facts")
         for name in FIELDS:
@@ -90,7 +92,7 @@ def test_both_targets_from_one_source_pass_fp64(tiny_lm64, examples, share_prefi
     MIST's and the writer's necessity (0.5·z(mist) + 0.5·z(necessity with target facts))."""
     kw = dict(share_prefix=share_prefix, recompute=recompute, max_batch=8)
     scorer = MistScorer(tiny_lm64, target="both", **kw)
-    mist = MistScorer(tiny_lm64, **kw).score(examples)
+    mist = MistScorer(tiny_lm64, **kw, target="answer").score(examples)
     writer = MistScorer(tiny_lm64, axes=["necessity"], target="facts", **kw).score(examples)
     for ex, got, paper, w in zip(examples, scorer.score(examples), mist, writer):
         enc = scorer.encode(ex)
@@ -195,7 +197,7 @@ def test_results_come_back_in_input_order(tiny_lm, examples):
 
 def test_no_parameter_gradients_and_logits_only_at_answer(tiny_lm, examples):
     rows_seen = []
-    scorer = MistScorer(tiny_lm, max_batch=8)
+    scorer = MistScorer(tiny_lm, max_batch=8, target="answer")
     scorer.footprint  # the memory probe, once per scorer, before the count
     handle = tiny_lm.lm_head.register_forward_hook(lambda m, a, o: rows_seen.append(a[0].shape))
     try:
@@ -209,7 +211,7 @@ def test_no_parameter_gradients_and_logits_only_at_answer(tiny_lm, examples):
 
 
 def test_scored_chain_spans(tiny_lm, examples):
-    [s] = MistScorer(tiny_lm).score(examples[:1])
+    [s] = MistScorer(tiny_lm, target="answer").score(examples[:1])
     tok = tiny_lm.tokenizer
     T = len(s.scores)
     assert s.necessity_per_layer.shape == s.sufficiency_per_layer.shape == (tiny_lm.n_layers, T)

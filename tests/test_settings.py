@@ -106,7 +106,7 @@ def test_the_necessity_target_is_mist_and_necessity_only():
     assert "target" not in JobConfig(method="sufficiency").scoring().options()
     for method in ("sufficiency", "h2o"):
         with pytest.raises(ConfigError, match="target is MIST's"):
-            JobConfig(method=method, target="both")
+            JobConfig(method=method, target="answer")
 
 
 def test_the_scoring_actor_builds_the_scorer_the_settings_name(model_dir):
@@ -132,13 +132,13 @@ def test_a_refresh_keeps_the_layer_weights_of_the_output():
         return SimpleNamespace(methods={"mist"}, models={"m"}, budgets={0.5},
                                manifest={"config": config})
 
+    current = {"layer_weights": "clipped", "facts_first": True, "target": "both"}  # defaults
     clipped = JobConfig(budgets=[0.5])
     with pytest.raises(ConfigError, match="layer_weights 'signed' vs 'clipped'"):
         check_compatible(clipped, "m", existing({"unit": "word"}), out)
-    check_compatible(clipped, "m", existing({"layer_weights": "clipped", "facts_first": True}),
-                     out)
-    check_compatible(JobConfig(budgets=[0.5], layer_weights="signed", facts_first=False), "m",
-                     existing({"unit": "word"}), out)
+    check_compatible(clipped, "m", existing(current), out)
+    check_compatible(JobConfig(budgets=[0.5], layer_weights="signed", facts_first=False,
+                               target="answer"), "m", existing({"unit": "word"}), out)
     h2o = SimpleNamespace(methods={"h2o"}, models={"m"}, budgets={0.5},
                           manifest={"config": {"layer_weights": "signed", "facts_first": True}})
     check_compatible(JobConfig(budgets=[0.5], method="h2o"), "m", h2o, out)  # not h2o's setting
@@ -148,16 +148,18 @@ def test_a_refresh_keeps_the_layer_weights_of_the_output():
     facts = JobConfig(budgets=[0.5])
     assert facts.facts_first
     with pytest.raises(ConfigError, match="facts_first False vs True"):
-        check_compatible(facts, "m", existing({"layer_weights": "clipped"}), out)
-    check_compatible(facts, "m", existing({"layer_weights": "clipped", "facts_first": True}), out)
+        check_compatible(facts, "m", existing({**current, "facts_first": False}), out)
+    with pytest.raises(ConfigError, match="facts_first False vs True"):
+        check_compatible(facts, "m", existing({"layer_weights": "clipped", "target": "both"}),
+                         out)
+    check_compatible(facts, "m", existing(current), out)
     check_compatible(facts, "m", empty, out)
     # An output from before the target setting differentiated the answer alone.
-    both = JobConfig(budgets=[0.5], target="both")
+    before = {"layer_weights": "clipped", "facts_first": True}
+    assert clipped.target == "both"
     with pytest.raises(ConfigError, match="target 'answer' vs 'both'"):
-        check_compatible(both, "m", existing({"layer_weights": "clipped", "facts_first": True}),
-                         out)
-    check_compatible(both, "m", existing({"layer_weights": "clipped", "facts_first": True,
-                                          "target": "both"}), out)
+        check_compatible(clipped, "m", existing(before), out)
+    check_compatible(JobConfig(budgets=[0.5], target="answer"), "m", existing(before), out)
 
 
 def test_one_builder_makes_every_registered_scorer(tiny_lm):

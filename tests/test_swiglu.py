@@ -97,7 +97,8 @@ def test_every_pass_uses_it_with_autograds_numbers(monkeypatch, calls, tiny_lm, 
 
     monkeypatch.setattr("mist_core.scoring.passes.MLP_POSITIONS", 16)
     encs = synthetic_encoded(2, 30, vocab=300, seed=4)
-    fused = forced(MistScorer(tiny_lm, share_prefix=False), plan).score_encoded(encs)
+    answer = MistScorer(tiny_lm, share_prefix=False, target="answer")
+    fused = forced(answer, plan).score_encoded(encs)
     L = tiny_lm.n_layers
     width = max(len(e.source_ids) for e in encs)
     # a checkpointed piece runs twice: in the rerun, and again in its backward
@@ -108,7 +109,8 @@ def test_every_pass_uses_it_with_autograds_numbers(monkeypatch, calls, tiny_lm, 
 
     monkeypatch.setattr("mist_core.scoring.passes.fused_swiglu",
                         lambda lm: contextlib.nullcontext())
-    plain = forced(MistScorer(tiny_lm, share_prefix=False), plan).score_encoded(encs)
+    plain = forced(MistScorer(tiny_lm, share_prefix=False, target="answer"),
+                   plan).score_encoded(encs)
     for a, b in zip(fused, plain):
         for name in FIELDS:
             np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)

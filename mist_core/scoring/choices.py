@@ -8,7 +8,7 @@ ABLATIONS = ("zero", "mean")  # necessity's baseline state; zero is the paper's 
 # What necessity's backward differentiates: log p(answer) (Eq. 1, the paper's), that plus
 # the log p of the chain's own numbers and operators (what a writer of the chain needs), or
 # both, each z-scored and averaged (MistScorer).
-TARGETS = ("answer", "facts", "both")
+TARGETS = ("both", "answer", "facts")
 # What each method takes beyond the options every scorer takes (template, max_tokens,
 # max_batch, max_memory): the one-axis ablations have no α to weigh their axes with.
 OPTIONS = {"mist": ("alpha", "layer_weights", "ablation", "target"),

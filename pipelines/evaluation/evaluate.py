@@ -68,9 +68,9 @@ class EvalActor:
             torch.set_num_threads(self.cfg.threads or max(1, int(self.cfg.cpus_per_actor)))
         self.lm = load_model(self.cfg.model, dtype=self.cfg.dtype, device=device)
         common = dict(template=self.cfg.template, max_tokens=self.cfg.batch_tokens)
-        # the paper's weights; mist_clipped (the project's default) from the same terms
+        # the paper's weights and target; mist_clipped from the same terms
         self.mist = Scoring("mist", alpha=self.cfg.alpha, layer_weights="signed",
-                            **common).scorer(self.lm)
+                            target="answer", **common).scorer(self.lm)
         self.scorers, self.unavailable = {}, {}
         for name in self.cfg.methods:
             if name in BASELINES:

@@ -63,16 +63,17 @@ METHODS = ("mist", "necessity", "sufficiency", "h2o", "crisp", "perplexity", "go
 POSITIONAL = ("head", "tail")
 # Variants beyond the paper (issue: keep one only where it wins here and on the GSM8K/MATH
 # proxies): name -> (scorer, its options).
-VARIANTS = {"mist": ("mist", {"layer_weights": "signed"}),  # the paper's MIST and its axes
-            "necessity": ("necessity", {"layer_weights": "signed"}),
+ANSWER = {"target": "answer"}  # necessity of the answer alone (Eq. 1), the paper's
+VARIANTS = {"mist": ("mist", {"layer_weights": "signed", **ANSWER}),  # the paper's MIST, axes
+            "necessity": ("necessity", {"layer_weights": "signed", **ANSWER}),
             "sufficiency": ("sufficiency", {"layer_weights": "signed"}),
-            "mist_clipped": ("mist", {"layer_weights": "clipped"}),  # the project's default
+            "mist_clipped": ("mist", {"layer_weights": "clipped", **ANSWER}),
             # clipped weights and necessity against the chain's mean state
-            "mist_mean": ("mist", {"layer_weights": "clipped", "ablation": "mean"}),
+            "mist_mean": ("mist", {"layer_weights": "clipped", "ablation": "mean", **ANSWER}),
             # clipped weights, pruned by equations (UNIT_OF)
-            "mist_equation": ("mist", {"layer_weights": "clipped"}),
+            "mist_equation": ("mist", {"layer_weights": "clipped", **ANSWER}),
             # clipped weights, α chosen on a validation slice by Eq. 1 (ALPHAS)
-            "mist_alpha": ("mist", {"layer_weights": "clipped"}),
+            "mist_alpha": ("mist", {"layer_weights": "clipped", **ANSWER}),
             # clipped weights, necessity of the answer and of the chain's own numbers and
             # operators (target "facts": the words later steps are written from count too)
             "mist_writer": ("mist", {"layer_weights": "clipped", "target": "facts"}),
