@@ -462,10 +462,12 @@ class MistScorer(BackpropScorer):
             paper) or "facts" (that plus the log p of each of the chain's own numbers and
             operators given what precedes it: the chain's words that the later steps are
             written from count too, as a model trained on the pruned chain must write them).
-            "both" scores with the answer's axes (Eq. 8) and, from one more backward of the
-            same source pass, the facts' necessity (`facts_necessity`), and ranks by the
-            mean of the two, each z-scored: the reader's and the writer's signal. The
-            log-likelihoods on the result are Eq. 1's whatever the target.
+            "both" (the default) scores with the answer's axes (Eq. 8) and, from one more
+            backward of the same source pass, the facts' necessity (`facts_necessity`), and
+            ranks by the mean of the two, each z-scored: the reader's and the writer's
+            signal. It is the default because the models trained on its pruned chains
+            answer better (docs/results/default/downstream.md). The log-likelihoods on the
+            result are Eq. 1's whatever the target.
         recompute: None (the default) picks per batch the cheapest way that fits
             max_memory; True or False forces recomputing the blocks in the backward or
             storing their activations.

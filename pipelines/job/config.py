@@ -55,11 +55,12 @@ class JobConfig(Settings, RemoteCode):
         "intermediate results on GSM8K, docs/results/units.md); signed, the paper's c̄_l",
         group="scoring", choices=LAYER_WEIGHTS)
     target: str = setting(
-        TARGETS[0], "what MIST's necessity is the gradient of (mist, necessity): answer, "
-        "log p(answer) (the paper); facts, that plus the log p of the chain's own numbers and "
-        "operators (what a model trained on the pruned chain must write); both, MIST of the "
-        "answer and the facts' necessity, each z-scored and averaged (one more backward "
-        "pass; docs/results/writer/downstream.md)", group="scoring", choices=TARGETS)
+        TARGETS[0], "what MIST's necessity is the gradient of (mist, necessity): both (the "
+        "default), MIST of the answer and the facts' necessity, each z-scored and averaged "
+        "(one more backward pass; the models trained on its chains answer better, "
+        "docs/results/default/downstream.md); answer, log p(answer) (the paper); facts, that "
+        "plus the log p of the chain's own numbers and operators (what a model trained on "
+        "the pruned chain must write)", group="scoring", choices=TARGETS)
     keep_digits: bool = setting(False, "always keep tokens with digits (may exceed the budget)",
                                 group="scoring")
     facts_first: bool = setting(True, "keep the numbers and arithmetic operators before any "
