@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import random
 import re
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -399,7 +402,6 @@ def test_calibration_table_appends_and_judges_the_bar(tmp_path):
     """benchmarks/testbed_calibration.py: the oracle arms' shares of the full-chain control,
     the bar judged on them, and --append keeping rows of runs no longer at hand."""
     import importlib.util
-    from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "testbed_calibration.py"
     spec = importlib.util.spec_from_file_location("testbed_calibration", path)
@@ -428,3 +430,36 @@ def test_calibration_table_appends_and_judges_the_bar(tmp_path):
     assert "| 75.0% | 50.0% |" in rows[0] and rows[0].endswith("| no |")  # 0.6 / 0.8
     assert "| 95.0% | 58.0% |" in rows[1] and rows[1].endswith("| yes |")  # 0.76 / 0.8, 29 / 50
     assert text.startswith("# Calibration\n") and text.endswith("## Reading\n\nby hand\n")
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl's parent-death signal")
+def test_seed_workers_die_with_the_testbed(tmp_path):
+    """A `--jobs N` testbed killed (SIGKILL: no cleanup runs) takes its seed workers with it."""
+    import signal
+    import subprocess
+
+    script = ("import multiprocessing, os, time\n"
+              "from pipelines.loop import testbed\n"
+              "pool = testbed._pool(1, multiprocessing.get_context('spawn'))\n"
+              "print(pool.submit(os.getpid).result(), flush=True)\n"
+              "time.sleep(120)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                              text=True, cwd=Path(__file__).resolve().parents[1])
+    worker = int(parent.stdout.readline())
+    assert _alive(worker)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(worker)
+
+
+def _alive(pid: int) -> bool:
+    """A process that runs (not a zombie waiting for its reaper)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

@@ -826,7 +826,23 @@ def each_seed(seeds, sizes: Sizes, methods, work: Path, tok, jobs: int = 1, thre
 def _pool(workers: int, context):
     from concurrent.futures import ProcessPoolExecutor
 
-    return ProcessPoolExecutor(workers, mp_context=context)
+    return ProcessPoolExecutor(workers, mp_context=context, initializer=_die_with_parent,
+                               initargs=(os.getpid(),))
+
+
+def _die_with_parent(parent: int) -> None:
+    """A seed worker's first step: on Linux, ask for SIGTERM when the testbed's process
+    dies, however it dies (a kill, a crash), so that no seed trains on unwatched for an hour;
+    a parent already gone by now ends the worker at once."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _seed_in_worker(seed: int, sizes: Sizes, methods, work: Path, threads: int):
