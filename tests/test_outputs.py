@@ -125,6 +125,25 @@ def test_datasets_and_pyarrow_read_every_row_and_column(refreshed, tmp_path):
     assert pq.read_table(out / "rejects").num_rows == 1
 
 
+def test_scores_files_of_an_older_version_are_conformed(tmp_path):
+    """An output's scores/ file written before `facts_necessity` gets that column (null) when
+    a run with --scores refreshes it, so that a glob read sees one schema; its rows stay."""
+    from mist_core.data.formats import SCORES_SCHEMA
+    from pipelines.job.output import Output
+
+    older = pa.schema([f for f in SCORES_SCHEMA if f.name != "facts_necessity"])
+    row = {"id": "a", "method": "mist", "model": "m", "token_ids": [1, 2], "tokens": ["x", "y"],
+           "necessity": [0.1, 0.2], "sufficiency": [0.3, 0.4], "scores": [1.0, -1.0]}
+    (tmp_path / "scores").mkdir()
+    pq.write_table(pa.Table.from_pylist([row], schema=older), tmp_path / "scores" / "r0.parquet")
+    out = Output(str(tmp_path))
+    assert out.conform(SCORES_SCHEMA, "scores") == 1
+    table = pq.read_table(tmp_path / "scores" / "r0.parquet")
+    assert table.schema.equals(SCORES_SCHEMA, check_metadata=False)
+    assert table.to_pylist() == [{**row, "facts_necessity": None}]
+    assert out.conform(SCORES_SCHEMA, "scores") == 0
+
+
 @pytest.mark.integration
 def test_manifest_measures_the_kept_share_in_tokens_and_words(refreshed):
     import polars as pl

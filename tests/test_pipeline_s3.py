@@ -9,6 +9,7 @@ import math
 from collections import Counter
 from types import SimpleNamespace
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -17,6 +18,8 @@ from conftest import loopback_ray
 from mist_core import Example, get_template, prune
 from mist_core.data.demo import demo_corpus
 from mist_core.data.formats import DATA_COLUMNS, directive
+from mist_core.scoring.choices import ALPHA
+from mist_core.scoring.scorer import combine, zscore
 from pipelines.job import compress
 from pipelines.common import storage
 from pipelines.common.settings import ConfigError, validate
@@ -161,6 +164,10 @@ def test_end_to_end_s3_then_refresh(s3, local_ray, model_dir, tokenizer, capfd):
         s = scores[row["id"]]
         assert s["token_ids"] == enc.source_ids[enc.chain_start:enc.chain_stop].tolist()
         assert len(s["necessity"]) == len(s["sufficiency"]) == len(s["scores"]) == enc.chain_len
+        # the default target ("both"): what pruning ranks, from the three columns written
+        both = 0.5 * zscore(combine(np.array(s["necessity"]), np.array(s["sufficiency"]), ALPHA)) \
+            + 0.5 * zscore(combine(np.array(s["facts_necessity"]), None, ALPHA))
+        np.testing.assert_allclose(s["scores"], both, rtol=1e-9, atol=1e-9)
         assert "".join(s["tokens"]) == ex.cot
         again = prune(ex, SimpleNamespace(scores=s["scores"], chain_offsets=enc.chain_offsets),
                       budgets=[row["budget"]], unit="token",

@@ -34,12 +34,13 @@ REJECT_SCHEMA = pa.schema([
 ])
 
 # One row per scored chain, for analysis: chain token ids and text pieces, both axes
-# (Eq. 7, before normalisation; null for baselines) and the unified score that pruning ranks.
+# (Eq. 7, before normalisation; null for baselines), the necessity of the facts (MIST's
+# target "both"; null otherwise) and the unified score that pruning ranks.
 SCORES_SCHEMA = pa.schema([
     ("id", pa.string()), ("method", pa.string()), ("model", pa.string()),
     ("token_ids", pa.list_(pa.int64())), ("tokens", pa.list_(pa.string())),
     ("necessity", pa.list_(pa.float64())), ("sufficiency", pa.list_(pa.float64())),
-    ("scores", pa.list_(pa.float64())),
+    ("facts_necessity", pa.list_(pa.float64())), ("scores", pa.list_(pa.float64())),
 ])
 
 # ---------------------------------------------------------------- extra input columns

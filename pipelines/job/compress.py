@@ -387,6 +387,8 @@ def _run(r: Run, held) -> dict:
     r.conformed = out.conform(schema)  # before the new files: data/ never holds three schemas
     if r.conformed:
         log.info("rewrote %d earlier data/ files with this run's new columns", r.conformed)
+    if cfg.scores and out.conform(SCORES_SCHEMA, "scores"):  # from before facts_necessity
+        log.info("rewrote the earlier scores/ files with this version's columns")
     stats = placement.start_stats(r.run_id) if plan.to_score else None  # the actors' records
     t_run = time.perf_counter()
     try:

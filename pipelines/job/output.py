@@ -173,15 +173,16 @@ class Output:
         return frozenset(dropped)
 
     @storage.retried
-    def conform(self, schema: pa.Schema) -> int:
-        """Rewrite every data/ file whose schema is not `schema` (the run's: earlier runs'
-        columns, then this run's new extra columns) with the missing columns null-filled, so
-        that the folder has one schema and plain glob reads (polars, duckdb, `datasets`) see
-        every row and every column. Each file is replaced whole under its own name (it stays
-        its group's commit marker) and keeps its rows; a rerun after a crash finishes the
-        rest. Returns how many files were rewritten."""
+    def conform(self, schema: pa.Schema, sub: str = "data") -> int:
+        """Rewrite every file of `sub` whose schema is not `schema` (the run's: for data/,
+        earlier runs' columns, then this run's new extra columns; for scores/, a column an
+        older version did not write) with the missing columns null-filled, so that the
+        folder has one schema and plain glob reads (polars, duckdb, `datasets`) see every
+        row and every column. Each file is replaced whole under its own name (a data/ file
+        stays its group's commit marker) and keeps its rows; a rerun after a crash finishes
+        the rest. Returns how many files were rewritten."""
         rewritten = 0
-        for path in storage.list_files(self.fs, self.path("data")):
+        for path in storage.list_files(self.fs, self.path(sub)):
             if not path.endswith(".parquet"):
                 continue
             have = pq.read_schema(path, filesystem=self.fs)

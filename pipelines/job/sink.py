@@ -185,7 +185,7 @@ class OutputSink(Datasink):
             scores.append({"id": r["id"], "method": self.method, "model": self.model,
                            "token_ids": r["source_ids"][start:start + n], "tokens": r["tokens"],
                            "necessity": r["necessity"], "sufficiency": r["sufficiency"],
-                           "scores": r["scores"]})
+                           "facts_necessity": r["facts_necessity"], "scores": r["scores"]})
             stats.score_rows += 1
 
     def on_write_complete(self, write_result) -> None:

@@ -42,7 +42,7 @@ STREAM_SCHEMA = pa.schema([
     ("chain_offsets", _ints), ("n_tokens", pa.int64()),
     # score stage
     ("scores", _floats), ("necessity", _floats), ("sufficiency", _floats),
-    ("score_s", pa.float64()),
+    ("facts_necessity", _floats), ("score_s", pa.float64()),
     # prune stage, one entry per budget
     ("compressed", pa.list_(pa.string())), ("kept_tokens", _ints), ("tokens", pa.list_(pa.string())),
 ])
@@ -237,7 +237,8 @@ class ScoreActor:
         else:
             row.update(scores=_floats_or_none(res.scores),
                        necessity=_floats_or_none(res.necessity),
-                       sufficiency=_floats_or_none(res.sufficiency))
+                       sufficiency=_floats_or_none(res.sufficiency),
+                       facts_necessity=_floats_or_none(res.facts_necessity))
         if row["status"] == REJECT:
             row["raw"] = json.dumps({"id": row["id"], "question": row["question"],
                                      "cot": row["cot"], "answer": row["answer"]},
@@ -311,6 +312,7 @@ def prune_batch(batch: pa.Table, *, cfg: JobConfig) -> pa.Table:
                 if with_scores:
                     row["tokens"] = token_pieces(ex.cot, offsets)
         if not with_scores or row["status"] != OK:
-            row.update(source_ids=None, scores=None, necessity=None, sufficiency=None)
+            row.update(source_ids=None, scores=None, necessity=None, sufficiency=None,
+                       facts_necessity=None)
         row["chain_offsets"] = None
     return pa.Table.from_pylist(rows, schema=STREAM_SCHEMA)
