@@ -215,7 +215,8 @@ def job_corpus(path: Path) -> list[str]:
 
 
 def rejects_by_reason(out: Path) -> Counter:
-    files = sorted((out / "rejects").glob("*.parquet"))
+    # As pyarrow and Ray read a folder: not a `_tmp-` file a stopped run's write task left.
+    files = sorted(f for f in (out / "rejects").glob("*.parquet") if not f.name.startswith("_"))
     return Counter(r for f in files for r in pq.read_table(f).column("reason").to_pylist())
 
 
