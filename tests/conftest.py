@@ -6,6 +6,7 @@ import contextlib
 import os
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,6 +201,12 @@ def tiny_lm(request, tokenizer):
     from mist_core.models import wrap_model
 
     return wrap_model(make_model(request.param, len(tokenizer)), tokenizer, f"tiny-{request.param}")
+
+
+def committed(folder: Path) -> list[Path]:
+    """A job output folder's finished parquet files, as pyarrow and Ray read a folder: not a
+    `_tmp-` file a write in progress (or a stopped run) left."""
+    return sorted(f for f in folder.glob("*.parquet") if not f.name.startswith("_"))
 
 
 def counted_applies(monkeypatch, function) -> list:

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import committed
 from test_faults import assert_exactly_once, corpus
 
 pytestmark = pytest.mark.integration  # a three-node Ray cluster on this machine
@@ -70,10 +71,6 @@ def argv(corpus_path: Path, out: Path, model_dir: Path, address: str, *extra) ->
             "--gpus-per-actor", "1", "--actors", "1,2", "--batch-size", "2", *extra]
 
 
-def committed(out: Path) -> list[Path]:
-    return [f for f in (out / "data").glob("*.parquet") if not f.name.startswith("_")]
-
-
 def test_gpu_placed_actors_survive_losing_a_worker_node(cluster, model_dir, tmp_path):
     import ray
 
@@ -90,7 +87,7 @@ def test_gpu_placed_actors_survive_losing_a_worker_node(cluster, model_dir, tmp_
         has scored, as the job's own records (placement.ActorStats) tell, goes away."""
         try:
             deadline = time.monotonic() + 240
-            while not committed(out):
+            while not committed(out / "data"):
                 assert time.monotonic() < deadline, "no committed data/ file after 240 s"
                 time.sleep(0.05)
             [name] = [n for n in ray.util.list_named_actors()
@@ -103,7 +100,7 @@ def test_gpu_placed_actors_survive_losing_a_worker_node(cluster, model_dir, tmp_
                 assert time.monotonic() < deadline, f"no actor reported a batch: {records}"
                 time.sleep(0.05)
             node = next(w for w in cluster.workers if w.node_id in busy)
-            lost.update(node=node.node_id, files=len(committed(out)), records=records)
+            lost.update(node=node.node_id, files=len(committed(out / "data")), records=records)
             cluster.cluster.remove_node(node)
             lost["removed_at"] = time.monotonic()
         except BaseException as e:  # noqa: BLE001 -- reported by the test below
@@ -118,7 +115,7 @@ def test_gpu_placed_actors_survive_losing_a_worker_node(cluster, model_dir, tmp_
     assert "error" not in lost, repr(lost.get("error"))
     assert rc == 0
     # The node went while rows were still to come: some groups were committed after it.
-    assert "removed_at" in lost and lost["files"] < len(committed(out)), lost
+    assert "removed_at" in lost and lost["files"] < len(committed(out / "data")), lost
     manifest = json.loads((out / "_manifest.json").read_text())
     c = manifest["counts"]
     assert (c["read"], c["scored"], c["rejected"]) == (96, 96, 0)

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import make_model
+from conftest import committed, make_model
 from mist_core import InvalidExample, MistScorer, NonFiniteScores, get_scorer
 from mist_core import reasons
 from mist_core.data.formats import REJECT_SCHEMA
@@ -215,9 +215,8 @@ def job_corpus(path: Path) -> list[str]:
 
 
 def rejects_by_reason(out: Path) -> Counter:
-    # As pyarrow and Ray read a folder: not a `_tmp-` file a stopped run's write task left.
-    files = sorted(f for f in (out / "rejects").glob("*.parquet") if not f.name.startswith("_"))
-    return Counter(r for f in files for r in pq.read_table(f).column("reason").to_pylist())
+    return Counter(r for f in committed(out / "rejects")
+                   for r in pq.read_table(f).column("reason").to_pylist())
 
 
 def one_error_line(p) -> str:
