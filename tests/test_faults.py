@@ -16,6 +16,7 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import committed
 from mist_core.data.demo import demo_corpus
 
 pytestmark = pytest.mark.integration  # the job in subprocesses, on their own Ray
@@ -52,7 +53,7 @@ def run(cmd, timeout=240, **faults) -> subprocess.CompletedProcess:
 def output_rows(out: Path) -> tuple[Counter, Counter]:
     """(id, budget) -> count in data/, id -> count in sft/."""
     data = Counter()
-    for f in sorted((out / "data").glob("*.parquet")):
+    for f in committed(out / "data"):
         t = pq.read_table(f, columns=["id", "budget"])
         data.update(zip(t.column("id").to_pylist(), t.column("budget").to_pylist()))
     sft = Counter(json.loads(line)["id"] for f in (out / "sft").glob("*.jsonl")
@@ -118,7 +119,7 @@ def test_killed_driver_then_rerun_finishes_without_loss_or_duplicates(model_dir,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 180
-        while len(list((out / "data").glob("*.parquet"))) < 2:
+        while len(committed(out / "data")) < 2:
             assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "no output after 180 s"
             time.sleep(0.2)

@@ -59,14 +59,25 @@ def test_progress_thread_prints_at_its_interval_and_stops():
     done = [int(LINE.match(line)[1]) for line in out.getvalue().splitlines()]
     assert done == sorted(done) and done[-1] <= 100
 
-    # An unchanged line (the actors still loading the model) only every REPEAT intervals.
+    # An unchanged line (the actors still loading the model) is said again before SILENCE
+    # passes, not at every tick: here every fifth one (0.1 s), in 17 ticks 3 or 4 lines.
     out = io.StringIO()
     waiting = placement.Progress(object(), total=100, interval=0.02, out=out)
+    waiting.SILENCE = 0.1
     waiting.read = lambda: None
     with waiting:
-        time.sleep(0.02 * (3 * waiting.REPEAT + 2))
+        time.sleep(0.02 * 17)
     lines = out.getvalue().splitlines()
     assert 2 <= len(lines) <= 4 and all("are starting" in line for line in lines)
+    # Where skipping a tick would leave more than SILENCE (the default 10 s interval against
+    # 15 s: a loaded machine's model load was a 19 s silence), every tick says it.
+    out = io.StringIO()
+    waiting = placement.Progress(object(), total=100, interval=0.02, out=out)
+    waiting.SILENCE = 0.03
+    waiting.read = lambda: None
+    with waiting:
+        time.sleep(0.02 * 6.5)
+    assert len(out.getvalue().splitlines()) >= 5
 
     for quiet in (placement.Progress(None, 100, 0.05, out=out),  # nothing to score
                   placement.Progress(object(), 100, 0, out=out)):  # --progress-interval 0

@@ -26,6 +26,7 @@ from pipelines.job import compress
 from pipelines.common.errors import AccountingError, OutputBusy
 from pipelines.job import lease
 from pipelines.job.output import Output
+from conftest import committed
 from s3_server import environ_patch, keys, moto_s3, s3_client, s3_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,7 +103,7 @@ def test_two_runs_onto_one_local_output_one_refuses_and_rows_are_written_once(mo
     manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["totals"]["rows_per_budget"] == {"0.5": 8, "0.8": 8}
     assert manifest["totals"]["duplicate_rows"] == 0 and manifest["counts"]["scored"] == 8
-    data = [pq.read_table(f, columns=["id", "budget"]) for f in (out / "data").glob("*.parquet")]
+    data = [pq.read_table(f, columns=["id", "budget"]) for f in committed(out / "data")]
     assert pairs(data) == Counter((i, b) for i in ids for b in BUDGETS)
     sft = [json.loads(ln)["id"] for f in (out / "sft").glob("*.jsonl")
            for ln in f.read_text().splitlines()]
@@ -279,7 +280,7 @@ def test_ctrl_c_is_one_line_and_exit_130_and_the_rerun_resumes(model_dir, tmp_pa
     # in (0.5 s calls left 1 s, which a loaded machine missed: the run finished first).
     proc = start(cmd, tmp_path / "first.log", MIST_FAULT_SLEEP_S="2")
     deadline = time.monotonic() + 180
-    while not list((out / "data").glob("*.parquet")):
+    while not committed(out / "data"):  # a file written, not one being written
         assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
         assert time.monotonic() < deadline, "no output after 180 s"
         time.sleep(0.2)
@@ -296,7 +297,7 @@ def test_ctrl_c_is_one_line_and_exit_130_and_the_rerun_resumes(model_dir, tmp_pa
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     c = json.loads((out / "_manifest.json").read_text())["counts"]
     assert c["already_done"] > 0 and c["scored"] + c["already_done"] == 48
-    data = [pq.read_table(f, columns=["id", "budget"]) for f in (out / "data").glob("*.parquet")]
+    data = [pq.read_table(f, columns=["id", "budget"]) for f in committed(out / "data")]
     assert pairs(data) == Counter((i, b) for i in ids for b in BUDGETS)
 
 

@@ -144,7 +144,10 @@ class Progress:
     `ray job logs -f` shows it as it comes). Off with interval 0, without an ActorStats
     actor (nothing to score) or with nothing planned. A context manager around the run."""
 
-    REPEAT = 6  # an unchanged line is printed again after this many intervals
+    # The most time between two lines. An unchanged line (the actors still loading the
+    # model) is skipped only while the next tick would still come within it, so that a
+    # short interval does not repeat it every tick and no interval leaves a longer silence.
+    SILENCE = 15.0
 
     def __init__(self, stats, total: int, interval: float, out=None):
         self.stats, self.total, self.interval = stats, total, interval
@@ -198,9 +201,7 @@ class Progress:
                 return
             line = progress_line(totals["done"], self.total, totals["rejected"],
                                  totals["started"], time.time())
-            # While the model loads the line does not change: say it again once a minute
-            # (at the default interval), not at every tick.
-            if line == last_line and tick - last_tick < self.REPEAT:
+            if line == last_line and (tick + 1 - last_tick) * self.interval <= self.SILENCE:
                 continue
             last_line, last_tick = line, tick
             print(line, file=self.out, flush=True)
