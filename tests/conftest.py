@@ -209,6 +209,16 @@ def committed(folder: Path) -> list[Path]:
     return sorted(f for f in folder.glob("*.parquet") if not f.name.startswith("_"))
 
 
+def partial_files(out: Path) -> list[str]:
+    """What a stopped run can leave (Output.clean_partial's list): `_tmp-` files, and sft/
+    and scores/ files without their data/ file (the data/ file commits its group)."""
+    stems = {f.stem for f in committed(out / "data")} | {"empty"}  # ensure_files' placeholder
+    return sorted(f"{d}/{f.name}" for d in ("data", "sft", "scores", "rejects")
+                  for f in (out / d).glob("*")
+                  if f.name.startswith("_tmp-") or (d in ("sft", "scores") and f.stem not in stems
+                                                    and not f.name.startswith((".", "_"))))
+
+
 def counted_applies(monkeypatch, function) -> list:
     """A list that gets one entry for each call of the autograd Function's `apply`."""
     seen = []

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import committed, make_model
+from conftest import committed, make_model, partial_files
 from mist_core import InvalidExample, MistScorer, NonFiniteScores, get_scorer
 from mist_core import reasons
 from mist_core.data.formats import REJECT_SCHEMA
@@ -251,6 +251,7 @@ def test_every_row_failing_stops_early_exits_5_and_a_rerun_redoes_them(model_dir
     assert m, line
     assert 0 < int(m[1]) <= int(m[2]) < 13
     assert not (out / "_manifest.json").exists()
+    assert not partial_files(out), partial_files(out)  # rejects/*.parquet reads as it is
     failed = rejects_by_reason(out)
     assert failed["score_error"] == int(m[1]) and set(failed) <= {"score_error", *INPUT_REJECTS}
 

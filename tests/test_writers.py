@@ -26,7 +26,7 @@ from pipelines.job import compress
 from pipelines.common.errors import AccountingError, OutputBusy
 from pipelines.job import lease
 from pipelines.job.output import Output
-from conftest import committed
+from conftest import committed, partial_files
 from s3_server import environ_patch, keys, moto_s3, s3_client, s3_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -291,6 +291,7 @@ def test_ctrl_c_is_one_line_and_exit_130_and_the_rerun_resumes(model_dir, tmp_pa
     errors = [ln for ln in log.splitlines() if ln.startswith("error:")]
     assert errors == ["error: " + compress.INTERRUPTED], log[-3000:]
     assert not (out / "_manifest.json").exists() and not (out / lease.LEASE).exists()
+    assert not partial_files(out), partial_files(out)  # every folder reads as it is
 
     again = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True,
                            timeout=300)
@@ -299,6 +300,48 @@ def test_ctrl_c_is_one_line_and_exit_130_and_the_rerun_resumes(model_dir, tmp_pa
     assert c["already_done"] > 0 and c["scored"] + c["already_done"] == 48
     data = [pq.read_table(f, columns=["id", "budget"]) for f in committed(out / "data")]
     assert pairs(data) == Counter((i, b) for i in ids for b in BUDGETS)
+
+
+@pytest.mark.parametrize("own_ray", [True, False])
+def test_a_stopped_run_on_its_own_ray_leaves_no_partial_files(own_ray, model_dir, tmp_path,
+                                                                monkeypatch):
+    """On the way out of a stopped run (Ctrl-C here) that started its own Ray, Ray stops
+    first (no write task is left to finish a group), then the partial files go, while the
+    lease is held; committed groups stay. On a Ray it joined (a cluster, whose write tasks may
+    still be running) nothing is touched: the rerun cleans."""
+    corpus(tmp_path / "in.jsonl", 2)
+    out = tmp_path / "out"
+    seen = []
+
+    def stopped_run(r, held):
+        r.own_ray = own_ray
+        for d in ("data", "sft", "scores", "rejects"):
+            (out / d).mkdir(parents=True)
+        pq.write_table(pa.table({"id": ["w0"]}), out / "data" / "g1.parquet")
+        (out / "sft" / "g1.jsonl").write_text("{}\n")
+        (out / "sft" / "g2.jsonl").write_text("{}\n")  # its data/ file never came
+        (out / "scores" / "g2.parquet").write_bytes(b"PAR1")
+        (out / "rejects" / "_tmp-g3.parquet").write_bytes(b"")  # a write cut short
+        raise KeyboardInterrupt
+
+    from pipelines.common.settings import validate
+    from pipelines.job.config import JobConfig
+
+    monkeypatch.setattr(compress, "_run", stopped_run)
+    monkeypatch.setattr(compress.ray, "shutdown",
+                        lambda: seen.append((partial_files(out), (out / lease.LEASE).exists())))
+    cfg = validate(JobConfig(input=[str(tmp_path / "in.jsonl")], output=str(out),
+                             model=str(model_dir)))
+    with pytest.raises(KeyboardInterrupt):
+        compress.run(cfg)
+    left = ["rejects/_tmp-g3.parquet", "scores/g2.parquet", "sft/g2.jsonl"]
+    if own_ray:
+        assert seen == [(left, True)]  # Ray stopped before anything was deleted, lease held
+        assert partial_files(out) == []
+    else:
+        assert seen == [] and partial_files(out) == left
+    assert (out / "data" / "g1.parquet").exists() and (out / "sft" / "g1.jsonl").exists()
+    assert not (out / lease.LEASE).exists()
 
 
 # ------------------------------------------------------------------ commit groups

@@ -23,19 +23,20 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def init_ray(address: str | None = None, actors: tuple[int, int] = (1, 1),
-             cpus_per_actor: float = 1.0, verbose: bool = False) -> None:
+             cpus_per_actor: float = 1.0, verbose: bool = False) -> bool:
     """Join the cluster at `address` (or RAY_ADDRESS, which `ray job submit` sets for the
     job's driver), else start a local Ray for this run: never a cluster left running on
     this machine. Nothing if Ray is already up in this process. Unless `verbose`, Ray's
     own messages below WARNING and the workers' output (model-loading bars, library
-    warnings) stay in Ray's session logs, /tmp/ray/session_latest/logs."""
+    warnings) stay in Ray's session logs, /tmp/ray/session_latest/logs. Returns whether it
+    started a local Ray (its workers then stop when this process shuts it down)."""
     if ray.is_initialized():
-        return
+        return False
     quiet = {} if verbose else {"log_to_driver": False, "logging_level": logging.WARNING}
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, **quiet)
-        return
+        return False
     path = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
     # Logical CPUs: the model actors' share plus one, so that reading, tokenizing and
     # writing can always run (actors holding every CPU would starve them: a hang).
@@ -43,6 +44,7 @@ def init_ray(address: str | None = None, actors: tuple[int, int] = (1, 1),
     ray.init(address="local", num_cpus=cpus, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": path,  # workers import this checkout
                                        **faults.forwarded()}}, **quiet)
+    return True
 
 
 class _Drop(logging.Filter):

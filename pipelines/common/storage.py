@@ -13,6 +13,7 @@ backoff, for up to MIST_STORAGE_RETRY_S seconds (60) in all. Ray Data's reads of
 have their own retries (DataContext.retried_io_errors: 10 attempts)."""
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import functools
 import logging
@@ -103,6 +104,19 @@ def retried(fn):
         finally:
             _retrying.active = False
     return wrapper
+
+
+@contextlib.contextmanager
+def once():
+    """Storage calls made inside run once: a retried function called here is not retried
+    (it sees an outer call holding the budget). For best-effort work on the way out of a
+    failed run, which must not add the retry time to an outage's."""
+    outer = getattr(_retrying, "active", False)
+    _retrying.active = True
+    try:
+        yield
+    finally:
+        _retrying.active = outer
 
 
 def one_line(e: BaseException) -> str:

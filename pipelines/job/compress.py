@@ -243,6 +243,7 @@ class Run:
     run_s: float = 0.0  # the scoring and writing
     conformed: int = 0  # earlier data/ files rewritten with new columns
     actors: list[dict] | None = None  # the scoring actors' records (placement.collect)
+    own_ray: bool = False  # this process started the Ray it runs on (runtime.init_ray)
 
     @classmethod
     def begin(cls, cfg: JobConfig) -> "Run":
@@ -347,14 +348,36 @@ def run(cfg: JobConfig) -> dict:
     held = lease.acquire(r.out, r.run_id)
     try:
         return _run(r, held)
+    except BaseException:  # Ctrl-C included
+        if r.own_ray:
+            tidy_stopped(r.out)
+        raise
     finally:
         held.release()
+
+
+def tidy_stopped(out: Output) -> None:
+    """A run stopped on its way (an error, the error budget, Ctrl-C) can leave a `_tmp-`
+    file its write task was writing, or sft/ and scores/ files whose data/ file never came:
+    a reader's glob (duckdb's 'rejects/*.parquet', the natural look after exit 5) fails on
+    them until a rerun cleans. For a run on this process's own Ray: stop it first, so that
+    no write task is left to finish a group, then delete them, while the output's lease is
+    still held. Once, without retries: in an outage the rerun does it."""
+    ray.shutdown()
+    try:
+        with storage.once():
+            removed = out.clean_partial()
+    except Exception as e:  # noqa: BLE001 -- the run's own error is the one to report
+        log.warning("the stopped run's partial files stay until the rerun: %s", one_line(e))
+        return
+    if removed:
+        log.info("removed %d partial files of the stopped run", removed)
 
 
 def _run(r: Run, held) -> dict:
     """run() once the output's lease is held."""
     cfg, out = r.cfg, r.out
-    runtime.init_ray(cfg.address, cfg.actors, cfg.cpus_per_actor, cfg.verbose)
+    r.own_ray = runtime.init_ray(cfg.address, cfg.actors, cfg.cpus_per_actor, cfg.verbose)
 
     if cfg.mode == "overwrite":
         out.clear()
