@@ -3,9 +3,10 @@
 (--max-error-share, default 0) turns a run whose rows failed past it into exit status 5, one
 line, no manifest, and a re-run that redoes those rows.
 
-The library and budget tests run in-process; the job tests (marked integration) run
-`python -m pipelines.compress` in subprocesses with their own local Ray, as tests/test_faults.py
-does, with faults injected through pipelines/common/faults.py."""
+The library and budget tests run in-process; the job tests (marked integration) run the job
+as tests/test_faults.py does, with faults injected through pipelines/common/faults.py: as
+`python -m pipelines.compress` in a subprocess with its own local Ray where its console is
+read, else in this process on the tests' Ray (conftest.job_in_process)."""
 from __future__ import annotations
 
 import json
@@ -19,13 +20,15 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import committed, make_model, partial_files
+from conftest import committed, job_in_process, make_model, partial_files
 from mist_core import InvalidExample, MistScorer, NonFiniteScores, get_scorer
 from mist_core import reasons
 from mist_core.data.formats import REJECT_SCHEMA
 from mist_core.models import wrap_model
 from mist_core.scoring.scorer import combine, zscore
 from pipelines.job.compress import parse_args
+from pipelines.common import exits
+from pipelines.common.errors import ErrorBudgetExceeded
 from pipelines.common.settings import ConfigError
 from pipelines.job.output import Output
 from pipelines.job.budget import ErrorBudget
@@ -228,7 +231,8 @@ def one_error_line(p) -> str:
 
 
 @pytest.mark.integration
-def test_every_row_failing_stops_early_exits_5_and_a_rerun_redoes_them(model_dir, tmp_path):
+def test_every_row_failing_stops_early_exits_5_and_a_rerun_redoes_them(local_ray, model_dir,
+                                                                       tmp_path):
     """The scorer raises on every call: the first file group to commit spends the budget
     (0 by default), the run stops there with exit status 5, one line and no manifest. The
     same command without the fault redoes the failed rows and the rest, with only the bad
@@ -255,9 +259,8 @@ def test_every_row_failing_stops_early_exits_5_and_a_rerun_redoes_them(model_dir
     failed = rejects_by_reason(out)
     assert failed["score_error"] == int(m[1]) and set(failed) <= {"score_error", *INPUT_REJECTS}
 
-    p = run(cmd)  # fixed: the same command again
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    manifest = json.loads((out / "_manifest.json").read_text())
+    manifest = job_in_process(cmd)  # fixed: the same command again
+    assert manifest == json.loads((out / "_manifest.json").read_text())
     c = manifest["counts"]
     assert (c["read"], c["scored"], c["rejected"], c["already_done"]) == (13, 10, 3, 0)
     assert c["rejected_by_reason"] == dict(INPUT_REJECTS)
@@ -282,12 +285,14 @@ def nan_model_dir(model_dir, tmp_path_factory):
 
 
 @pytest.mark.integration
-def test_a_nan_model_fails_the_run_instead_of_writing_garbage(nan_model_dir, tmp_path):
+def test_a_nan_model_fails_the_run_instead_of_writing_garbage(local_ray, nan_model_dir, tmp_path):
     job_corpus(tmp_path / "corpus.jsonl")
     out = tmp_path / "out"
-    p = run(command(tmp_path / "corpus.jsonl", out, nan_model_dir))
-    assert p.returncode == 5, p.stdout[-3000:] + p.stderr[-3000:]
-    line = one_error_line(p)
+    with pytest.raises(ErrorBudgetExceeded) as stopped:
+        job_in_process(command(tmp_path / "corpus.jsonl", out, nan_model_dir))
+    status, message = exits.classify(stopped.value)  # what the command prints, and exits with
+    assert status == 5
+    line = f"error: {message}"
     assert line.startswith("error: 10 of 13 rows failed, more than --max-error-share 0 "
                            "allows (0); first: nonfinite_scores: "), line
     assert "is NaN or inf" in line and "wrote no manifest" in line
@@ -297,15 +302,16 @@ def test_a_nan_model_fails_the_run_instead_of_writing_garbage(nan_model_dir, tmp
 
 
 @pytest.mark.integration
-def test_failures_within_the_share_complete_the_run(model_dir, tmp_path):
+def test_failures_within_the_share_complete_the_run(local_ray, model_dir, tmp_path,
+                                                     monkeypatch):
     """3 of 13 rows fail (0.23) under --max-error-share 0.3: the run completes, exit 0,
     with the failures as rejects and in the manifest's counts."""
     ids = job_corpus(tmp_path / "corpus.jsonl")
     out = tmp_path / "out"
-    p = run(command(tmp_path / "corpus.jsonl", out, model_dir, "--max-error-share", "0.3"),
-            MIST_FAULT_SCORE_ERROR="r[0-2]")
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    manifest = json.loads((out / "_manifest.json").read_text())
+    monkeypatch.setenv("MIST_FAULT_SCORE_ERROR", "r[0-2]")
+    manifest = job_in_process(command(tmp_path / "corpus.jsonl", out, model_dir,
+                                      "--max-error-share", "0.3"))
+    assert manifest == json.loads((out / "_manifest.json").read_text())
     c = manifest["counts"]
     assert (c["read"], c["scored"], c["rejected"]) == (13, 7, 6)
     assert c["rejected_by_reason"] == dict(INPUT_REJECTS + Counter(score_error=3))

@@ -1,6 +1,8 @@
-"""Faults injected into real runs of the job (`python -m pipelines.compress` in a subprocess,
-with its own local Ray): a scoring actor that dies mid-batch, a model that cannot load, and a
-driver killed part-way and then re-run. Every input row must end up exactly once."""
+"""Faults injected into real runs of the job: a scoring actor that dies mid-batch, a model
+that cannot load (`python -m pipelines.compress` in a subprocess, its console read), and a
+driver killed part-way (a subprocess with its own local Ray) and then re-run. Every input row
+must end up exactly once. What needs no process of its own runs in this one, on the tests'
+Ray (conftest.job_in_process)."""
 from __future__ import annotations
 
 import json
@@ -16,10 +18,10 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import committed
+from conftest import committed, job_in_process
 from mist_core.data.demo import demo_corpus
 
-pytestmark = pytest.mark.integration  # the job in subprocesses, on their own Ray
+pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[1]
 BUDGETS = "0.5,0.8"
@@ -67,14 +69,14 @@ def assert_exactly_once(out: Path, ids: list[str]) -> None:
     assert sft == Counter({i: 1 for i in ids})
 
 
-def test_scoring_actor_dying_mid_batch_is_replaced(model_dir, tmp_path):
+def test_scoring_actor_dying_mid_batch_is_replaced(local_ray, model_dir, tmp_path, monkeypatch):
     ids = corpus(tmp_path / "corpus.jsonl", 48)
     out, marker = tmp_path / "out", tmp_path / "fault-fired"
-    p = run(command(tmp_path / "corpus.jsonl", out, model_dir, "--batch-size", "2"),
-            MIST_FAULT_EXIT_BATCH="2", MIST_FAULT_ONCE=str(marker))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    monkeypatch.setenv("MIST_FAULT_EXIT_BATCH", "2")
+    monkeypatch.setenv("MIST_FAULT_ONCE", str(marker))
+    manifest = job_in_process(command(tmp_path / "corpus.jsonl", out, model_dir, "--batch-size", "2"))
     assert marker.exists(), "the fault never fired: the test proves nothing"
-    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest == json.loads((out / "_manifest.json").read_text())
     c = manifest["counts"]
     assert (c["read"], c["scored"], c["rejected"]) == (48, 48, 0)
     assert_exactly_once(out, ids)
@@ -109,7 +111,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait(30)
 
 
-def test_killed_driver_then_rerun_finishes_without_loss_or_duplicates(model_dir, tmp_path):
+def test_killed_driver_then_rerun_finishes_without_loss_or_duplicates(local_ray, model_dir, tmp_path):
     ids = corpus(tmp_path / "corpus.jsonl", 160)
     out = tmp_path / "out"
     cmd = command(tmp_path / "corpus.jsonl", out, model_dir, "--batch-size", "2",
@@ -130,8 +132,7 @@ def test_killed_driver_then_rerun_finishes_without_loss_or_duplicates(model_dir,
     done_before, _ = output_rows(out)
     assert 0 < len({i for i, _ in done_before}) < len(ids)
 
-    p = run(cmd)  # the same command: refresh is the default mode
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    job_in_process(cmd)  # the same command: refresh is the default mode
     manifest = json.loads((out / "_manifest.json").read_text())
     c = manifest["counts"]
     assert c["read"] == 160 and c["rejected"] == 0

@@ -26,7 +26,7 @@ from pipelines.job import compress
 from pipelines.common.errors import AccountingError, OutputBusy
 from pipelines.job import lease
 from pipelines.job.output import Output
-from conftest import committed, partial_files
+from conftest import committed, job_in_process, partial_files
 from s3_server import environ_patch, keys, moto_s3, s3_client, s3_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -270,7 +270,7 @@ def test_output_that_is_a_file_fails_before_scoring(model_dir, tmp_path, capsys)
 
 
 @pytest.mark.integration
-def test_ctrl_c_is_one_line_and_exit_130_and_the_rerun_resumes(model_dir, tmp_path):
+def test_ctrl_c_is_one_line_and_exit_130_and_the_rerun_resumes(local_ray, model_dir, tmp_path):
     ids = corpus(tmp_path / "in.jsonl", 48)
     out = tmp_path / "out"
     cmd = command(tmp_path / "in.jsonl", out, model_dir, "--batch-size", "1",
@@ -293,9 +293,7 @@ def test_ctrl_c_is_one_line_and_exit_130_and_the_rerun_resumes(model_dir, tmp_pa
     assert not (out / "_manifest.json").exists() and not (out / lease.LEASE).exists()
     assert not partial_files(out), partial_files(out)  # every folder reads as it is
 
-    again = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True,
-                           timeout=300)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    job_in_process(cmd)  # the same command again, in this process: it resumes
     c = json.loads((out / "_manifest.json").read_text())["counts"]
     assert c["already_done"] > 0 and c["scored"] + c["already_done"] == 48
     data = [pq.read_table(f, columns=["id", "budget"]) for f in committed(out / "data")]

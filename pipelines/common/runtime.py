@@ -151,10 +151,14 @@ def gpus_per_actor(setting: float | None) -> float:
 def actor_resources(cpus_per_actor: float, gpus: float) -> dict:
     """A model actor's Ray options: its CPUs and GPUs, and on a CPU the allocator settings
     scoring there wants from the start of the process (mist_core.scoring.allocator.cpu_scoring_env:
-    this process's environment wins; Ray merges them into the job's runtime environment)."""
+    this process's environment wins; Ray merges them into the job's runtime environment).
+    The fault variables set here go with them (faults.py), on a Ray this process joined as
+    on one it started."""
+    env = faults.forwarded() | ({} if gpus > 0 else allocator.cpu_scoring_env())
+    options = {"num_cpus": cpus_per_actor}
     if gpus > 0:
-        return {"num_cpus": cpus_per_actor, "num_gpus": gpus}
-    return {"num_cpus": cpus_per_actor, "runtime_env": {"env_vars": allocator.cpu_scoring_env()}}
+        options["num_gpus"] = gpus
+    return options | ({"runtime_env": {"env_vars": env}} if env else {})
 
 
 def versions() -> dict:
