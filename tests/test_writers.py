@@ -300,19 +300,28 @@ def test_ctrl_c_is_one_line_and_exit_130_and_the_rerun_resumes(local_ray, model_
     assert pairs(data) == Counter((i, b) for i in ids for b in BUDGETS)
 
 
-@pytest.mark.parametrize("own_ray", [True, False])
-def test_a_stopped_run_on_its_own_ray_leaves_no_partial_files(own_ray, model_dir, tmp_path,
-                                                                monkeypatch):
+@pytest.mark.parametrize("ray_was", ["started", "joined", "started, lease lost"])
+def test_a_stopped_run_on_its_own_ray_leaves_no_partial_files(ray_was, model_dir, tmp_path,
+                                                                monkeypatch, caplog):
     """On the way out of a stopped run (Ctrl-C here) that started its own Ray, Ray stops
     first (no write task is left to finish a group), then the partial files go, while the
     lease is held; committed groups stay. On a Ray it joined (a cluster, whose write tasks may
-    still be running) nothing is touched: the rerun cleans."""
+    still be running), or once its lease is lost (the files may be another run's), nothing
+    is touched: the rerun cleans."""
+    from pipelines.common.errors import AccountingError
+    from pipelines.common.settings import validate
+    from pipelines.job.config import JobConfig
+
     corpus(tmp_path / "in.jsonl", 2)
     out = tmp_path / "out"
     seen = []
 
     def stopped_run(r, held):
-        r.own_ray = own_ray
+        r.own_ray = ray_was != "joined"
+        if ray_was == "started, lease lost":
+            def lost():
+                raise AccountingError("the lease is held by another run")
+            held.check = lost
         for d in ("data", "sft", "scores", "rejects"):
             (out / d).mkdir(parents=True)
         pq.write_table(pa.table({"id": ["w0"]}), out / "data" / "g1.parquet")
@@ -322,9 +331,6 @@ def test_a_stopped_run_on_its_own_ray_leaves_no_partial_files(own_ray, model_dir
         (out / "rejects" / "_tmp-g3.parquet").write_bytes(b"")  # a write cut short
         raise KeyboardInterrupt
 
-    from pipelines.common.settings import validate
-    from pipelines.job.config import JobConfig
-
     monkeypatch.setattr(compress, "_run", stopped_run)
     monkeypatch.setattr(compress.ray, "shutdown",
                         lambda: seen.append((partial_files(out), (out / lease.LEASE).exists())))
@@ -333,11 +339,14 @@ def test_a_stopped_run_on_its_own_ray_leaves_no_partial_files(own_ray, model_dir
     with pytest.raises(KeyboardInterrupt):
         compress.run(cfg)
     left = ["rejects/_tmp-g3.parquet", "scores/g2.parquet", "sft/g2.jsonl"]
-    if own_ray:
+    if ray_was == "started":
         assert seen == [(left, True)]  # Ray stopped before anything was deleted, lease held
         assert partial_files(out) == []
-    else:
+    elif ray_was == "joined":
         assert seen == [] and partial_files(out) == left
+    else:
+        assert seen == [(left, True)] and partial_files(out) == left
+        assert "partial files stay until the rerun: the lease is held by another run" in caplog.text
     assert (out / "data" / "g1.parquet").exists() and (out / "sft" / "g1.jsonl").exists()
     assert not (out / lease.LEASE).exists()
 

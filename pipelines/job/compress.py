@@ -350,22 +350,24 @@ def run(cfg: JobConfig) -> dict:
         return _run(r, held)
     except BaseException:  # Ctrl-C included
         if r.own_ray:
-            tidy_stopped(r.out)
+            tidy_stopped(r.out, held)
         raise
     finally:
         held.release()
 
 
-def tidy_stopped(out: Output) -> None:
+def tidy_stopped(out: Output, held) -> None:
     """A run stopped on its way (an error, the error budget, Ctrl-C) can leave a `_tmp-`
     file its write task was writing, or sft/ and scores/ files whose data/ file never came:
     a reader's glob (duckdb's 'rejects/*.parquet', the natural look after exit 5) fails on
     them until a rerun cleans. For a run on this process's own Ray: stop it first, so that
-    no write task is left to finish a group, then delete them, while the output's lease is
-    still held. Once, without retries: in an outage the rerun does it."""
+    no write task is left to finish a group, then delete them, if the output's lease is
+    still this run's (one that lapsed may be another run's now). Once, without retries: in
+    an outage the rerun does it."""
     ray.shutdown()
     try:
         with storage.once():
+            held.check()
             removed = out.clean_partial()
     except Exception as e:  # noqa: BLE001 -- the run's own error is the one to report
         log.warning("the stopped run's partial files stay until the rerun: %s", one_line(e))
