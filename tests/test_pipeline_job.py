@@ -1,5 +1,6 @@
-"""The job as users submit it: `ray start --head` on loopback, `ray job submit --working-dir`
-with the job's command line, its log and outputs checked, then the cluster stopped."""
+"""The job as users submit it: `ray start --head` on loopback with token authentication, as
+the README's block starts it (one head for the module), `ray job submit --working-dir` with
+the job's command line, its log and outputs checked, then the cluster stopped."""
 from __future__ import annotations
 
 import contextlib
@@ -7,7 +8,6 @@ import itertools
 import json
 import os
 import re
-import secrets
 import shlex
 import shutil
 import signal
@@ -34,22 +34,6 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 # Never uploaded with the job: the virtual environment alone is gigabytes.
 EXCLUDES = [".venv", ".git", "outputs", "*.egg-info", "__pycache__", ".pytest_cache"]
-
-
-TOKEN = secrets.token_hex(32)  # this test cluster's own token, for Ray's token authentication
-
-
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env["RAY_AUTH_MODE"] = "token"
-    env["RAY_AUTH_TOKEN"] = TOKEN
-    # A single-machine cluster on the loopback address (Ray otherwise swaps 127.0.0.1 for
-    # the machine's outward address so that other nodes could join).
-    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "5"  # a test cluster: no 30 s drain on stop
-    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"  # `python` is this venv's
-    env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
-    return env
 
 
 def _wait_started(log: Path, proc: subprocess.Popen, timeout: float) -> None:
@@ -143,12 +127,6 @@ def head(tmp_path: Path, env: dict, command=("ray", "start", "--head")):
         _stop(proc, cluster.temp)
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    with head(tmp_path, _env()) as started:
-        yield started
-
-
 def ray_logs(temp: str, names=("dashboard_agent.log", "raylet.out", "dashboard_JobHead.log")) -> str:
     """The ends of the cluster's own logs, to say why a submission failed."""
     out = []
@@ -158,16 +136,84 @@ def ray_logs(temp: str, names=("dashboard_agent.log", "raylet.out", "dashboard_J
     return "\n".join(out)
 
 
-def ray_cli(*args: str, timeout: float = 300,
-            env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "ray"), *args], env=env or _env(), capture_output=True,
-                          text=True, timeout=timeout)
+def ray_cli(*args: str, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "ray"), *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
-def test_ray_job_submit(cluster, tmp_path, tokenizer):
-    model = tmp_path / "tiny-llama"
+@pytest.fixture(scope="module")
+def readme_cluster(tmp_path_factory, tokenizer):
+    """The README's *Submitting on one machine* block up to its `ray start --head`, run as
+    written, with what a test machine needs substituted: free ports and a temp dir for the
+    head (and --block, so that the test stops exactly the head it started, in place of the
+    README's `ray stop`, which would stop every Ray of this user) and the dashboard's port in
+    the address. HOME is a folder of the test's own, so the token the block makes is not the
+    user's. One head for the module's submissions: (cluster, env, the block's submit line,
+    a tiny model)."""
+    tmp = tmp_path_factory.mktemp("readme-head")
+    as_written = commands(block("ray get-auth-token --generate"))
+    words = [shlex.split(line) for line in as_written]
+    kinds = [" ".join(w[:3] if w[:2] == ["ray", "job"] else w[:2] if w[0] == "ray" else w[:1])
+             for w in words]
+    assert kinds == ["export", "ray get-auth-token", "ray start", "ray job submit",
+                     "ray stop"], kinds
+    home = tmp / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(HOME=str(home), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+               RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="5", NO_PROXY="127.0.0.1,localhost",
+               no_proxy="127.0.0.1,localhost", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
+    name, _, value = words[0][1].partition("=")  # export NAME=VALUE
+    env[name] = value
+    made = subprocess.run(["bash", "-c", as_written[1]], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0 and (home / ".ray" / "auth_token").is_file(), made.stderr
+    model = tmp / "tiny-llama"
     make_model("llama", len(tokenizer)).save_pretrained(model)
     tokenizer.save_pretrained(model)
+    with head(tmp, env, words[2]) as cluster:
+        yield SimpleNamespace(cluster=cluster, env=env, submit=as_written[3], model=model)
+
+
+def test_one_machine_submission_as_the_readme_writes_it(readme_cluster, tmp_path):
+    """The block's `ray job submit` as written (readme_cluster), with the output under the
+    test's folder and the tiny model; then the same submission with a relative --output,
+    which the job refuses."""
+    r = readme_cluster
+    cluster, env, submit = r.cluster, r.env, r.submit
+    assert '"$PWD/outputs/submitted"' in submit and "--working-dir ." in submit
+    out = tmp_path / "outputs" / "submitted"
+
+    def run(output: str) -> subprocess.CompletedProcess:
+        line = (submit.replace("http://127.0.0.1:8265", cluster.address)
+                .replace('"$PWD/outputs/submitted"', output) + f" --model {r.model}")
+        deadline = time.monotonic() + 240
+        while True:  # the node's job agent may still be starting: Ray says so
+            p = subprocess.run(["bash", "-c", line], cwd=REPO, env=env,
+                               capture_output=True, text=True, timeout=600)
+            if "please try again later" not in p.stdout + p.stderr \
+                    or time.monotonic() > deadline:
+                return p
+            time.sleep(5)
+
+    p = run(str(out))
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:] + ray_logs(cluster.temp)
+    assert re.search(r"Job 'raysubmit_\w+' succeeded", p.stdout), p.stdout[-3000:]
+    assert "MIST compression finished" in p.stdout
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["output"] == str(out) and manifest["counts"]["scored"] == 48
+
+    refused = run("outputs/submitted-relative")
+    assert refused.returncode == 1, refused.stdout[-3000:] + refused.stderr[-3000:]
+    assert "error: --output outputs/submitted-relative is a relative path, but this run " \
+           "was started by `ray job submit`" in refused.stdout, refused.stdout[-3000:]
+    assert re.search(r"Job 'raysubmit_\w+' failed", refused.stdout), refused.stdout[-3000:]
+
+
+def test_ray_job_submit(readme_cluster, tmp_path):
+    """A submission as a pipeline would make it: the checkout as --working-dir with the
+    excludes, a submission id, a corpus with a bad row; the job's log, counts and rows."""
+    cluster, env, model = readme_cluster.cluster, readme_cluster.env, readme_cluster.model
     corpus = tmp_path / "corpus.jsonl"
     records = demo_corpus(6, seed=5)
     corpus.write_text("".join(json.dumps(r) + "\n" for r in records) + "not json\n")
@@ -184,14 +230,14 @@ def test_ray_job_submit(cluster, tmp_path, tokenizer):
             "--working-dir", str(REPO), "--runtime-env-json", json.dumps({"excludes": EXCLUDES}),
             "--", "python", "-m", "pipelines.compress", "--input", str(corpus),
             "--model", str(model), "--output", str(out), "--budgets", "0.5,0.9",
-            "--batch-size", "4")
+            "--batch-size", "4", env=env)
         if "please try again later" not in submit.stdout + submit.stderr \
                 or time.monotonic() > deadline:
             break
         time.sleep(5)
     assert submit.returncode == 0, submit.stdout + submit.stderr + ray_logs(cluster.temp)
-    status = ray_cli("job", "status", "--address", cluster.address, job_id, timeout=60)
-    logs = ray_cli("job", "logs", "--address", cluster.address, job_id, timeout=60).stdout
+    status = ray_cli("job", "status", "--address", cluster.address, job_id, timeout=60, env=env)
+    logs = ray_cli("job", "logs", "--address", cluster.address, job_id, timeout=60, env=env).stdout
     assert f"Job '{job_id}' succeeded" in status.stdout, status.stdout + status.stderr + logs
 
     assert "plan: 7 rows read, 6 to score" in logs  # progress is in the job's log
@@ -208,63 +254,3 @@ def test_ray_job_submit(cluster, tmp_path, tokenizer):
     assert sorted(data.column("budget").to_pylist()) == [0.5] * 6 + [0.9] * 6
     assert set(data.column("id").to_pylist()) == {r["id"] for r in records}
     assert set(data.column("topic").to_pylist()) == {r["topic"] for r in records}
-
-
-def test_one_machine_submission_as_the_readme_writes_it(tmp_path, tokenizer):
-    """The README's *Submitting on one machine* block, run line by line as written, with
-    what a test machine needs substituted: free ports and a temp dir for `ray start --head`
-    (and --block, so that the test stops exactly the head it started, in place of the
-    README's `ray stop`, which would stop every Ray of this user), the dashboard's port in
-    the address, the output under the test's folder, and a tiny model. HOME is a folder of
-    the test's own, so the token the block makes is not the user's. Then the same
-    submission with a relative --output, which the job refuses."""
-    as_written = commands(block("ray get-auth-token --generate"))
-    words = [shlex.split(line) for line in as_written]
-    kinds = [" ".join(w[:3] if w[:2] == ["ray", "job"] else w[:2] if w[0] == "ray" else w[:1])
-             for w in words]
-    assert kinds == ["export", "ray get-auth-token", "ray start", "ray job submit",
-                     "ray stop"], kinds
-    home = tmp_path / "home"
-    home.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(HOME=str(home), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
-               RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="5", NO_PROXY="127.0.0.1,localhost",
-               no_proxy="127.0.0.1,localhost", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
-    name, _, value = words[0][1].partition("=")  # export NAME=VALUE
-    env[name] = value
-    made = subprocess.run(["bash", "-c", as_written[1]], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert made.returncode == 0 and (home / ".ray" / "auth_token").is_file(), made.stderr
-    start, submit = words[2], as_written[3]
-    assert '"$PWD/outputs/submitted"' in submit and "--working-dir ." in submit
-
-    model = tmp_path / "tiny-llama"
-    make_model("llama", len(tokenizer)).save_pretrained(model)
-    tokenizer.save_pretrained(model)
-    out = tmp_path / "outputs" / "submitted"
-
-    with head(tmp_path, env, start) as cluster:
-        def run(output: str) -> subprocess.CompletedProcess:
-            line = (submit.replace("http://127.0.0.1:8265", cluster.address)
-                    .replace('"$PWD/outputs/submitted"', output) + f" --model {model}")
-            deadline = time.monotonic() + 240
-            while True:  # the node's job agent may still be starting: Ray says so
-                p = subprocess.run(["bash", "-c", line], cwd=REPO, env=env,
-                                   capture_output=True, text=True, timeout=600)
-                if "please try again later" not in p.stdout + p.stderr \
-                        or time.monotonic() > deadline:
-                    return p
-                time.sleep(5)
-
-        p = run(str(out))
-        assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:] + ray_logs(cluster.temp)
-        assert re.search(r"Job 'raysubmit_\w+' succeeded", p.stdout), p.stdout[-3000:]
-        assert "MIST compression finished" in p.stdout
-        manifest = json.loads((out / "_manifest.json").read_text())
-        assert manifest["output"] == str(out) and manifest["counts"]["scored"] == 48
-
-        refused = run("outputs/submitted-relative")
-        assert refused.returncode == 1, refused.stdout[-3000:] + refused.stderr[-3000:]
-        assert "error: --output outputs/submitted-relative is a relative path, but this run " \
-               "was started by `ray job submit`" in refused.stdout, refused.stdout[-3000:]
-        assert re.search(r"Job 'raysubmit_\w+' failed", refused.stdout), refused.stdout[-3000:]
