@@ -45,6 +45,18 @@ def test_progress_line_reads_as_a_sentence():
     assert placement.clock(3725) == "1:02:05" and placement.clock(59.6) == "1:00"
 
 
+def while_loading(silence: float, ticks: float, interval: float = 0.02) -> list[str]:
+    """The lines a progress thread prints over `ticks` intervals while the totals stay
+    unread (the actors loading the model), with SILENCE set to `silence`."""
+    out = io.StringIO()
+    waiting = placement.Progress(object(), total=100, interval=interval, out=out)
+    waiting.SILENCE = silence
+    waiting.read = lambda: None
+    with waiting:
+        time.sleep(interval * ticks)
+    return out.getvalue().splitlines()
+
+
 def test_progress_thread_prints_at_its_interval_and_stops():
     totals = iter([{"done": d, "rejected": d // 4, "started": time.time() - 1.0}
                    for d in range(0, 1000, 5)])
@@ -61,23 +73,15 @@ def test_progress_thread_prints_at_its_interval_and_stops():
 
     # An unchanged line (the actors still loading the model) is said again before SILENCE
     # passes, not at every tick: here every fifth one (0.1 s), in 17 ticks 3 or 4 lines.
-    out = io.StringIO()
-    waiting = placement.Progress(object(), total=100, interval=0.02, out=out)
-    waiting.SILENCE = 0.1
-    waiting.read = lambda: None
-    with waiting:
-        time.sleep(0.02 * 17)
-    lines = out.getvalue().splitlines()
+    lines = while_loading(silence=0.1, ticks=17)
     assert 2 <= len(lines) <= 4 and all("are starting" in line for line in lines)
-    # Where skipping a tick would leave more than SILENCE (the default 10 s interval against
-    # 15 s: a loaded machine's model load was a 19 s silence), every tick says it.
-    out = io.StringIO()
-    waiting = placement.Progress(object(), total=100, interval=0.02, out=out)
-    waiting.SILENCE = 0.03
-    waiting.read = lambda: None
-    with waiting:
-        time.sleep(0.02 * 6.5)
-    assert len(out.getvalue().splitlines()) >= 5
+    # At the default 10 s interval a skipped tick would leave 20 s against SILENCE's 15 (a
+    # loaded machine's model load was a 19 s silence): every tick says it. At 2 s the line
+    # comes again 7 ticks (14 s) after the last.
+    default = placement.Progress(object(), total=100, interval=10.0)
+    assert all(default.says_again(t, t - 1) for t in range(1, 20))
+    short = placement.Progress(object(), total=100, interval=2.0)
+    assert [t for t in range(2, 20) if short.says_again(t, 1)][0] == 8
 
     for quiet in (placement.Progress(None, 100, 0.05, out=out),  # nothing to score
                   placement.Progress(object(), 100, 0, out=out)):  # --progress-interval 0

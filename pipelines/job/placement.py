@@ -181,6 +181,11 @@ class Progress:
             self._last = ray.get(pending)
         return self._last
 
+    def says_again(self, tick: int, last_tick: int) -> bool:
+        """Whether an unchanged line is printed at `tick` (the last line at `last_tick`):
+        when waiting for the next tick would leave more than SILENCE without one."""
+        return (tick + 1 - last_tick) * self.interval > self.SILENCE
+
     def _run(self) -> None:
         start, tick, warned = time.monotonic(), 0, False
         last_line, last_tick = None, 0
@@ -201,7 +206,7 @@ class Progress:
                 return
             line = progress_line(totals["done"], self.total, totals["rejected"],
                                  totals["started"], time.time())
-            if line == last_line and (tick + 1 - last_tick) * self.interval <= self.SILENCE:
+            if line == last_line and not self.says_again(tick, last_tick):
                 continue
             last_line, last_tick = line, tick
             print(line, file=self.out, flush=True)
