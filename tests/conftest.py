@@ -219,7 +219,6 @@ def partial_files(out: Path) -> list[str]:
                                                     and not f.name.startswith((".", "_"))))
 
 
-
 def job_in_process(cmd: list[str]) -> dict:
     """A job command line (`python -m pipelines.compress ...`) run in this process, on the
     Ray it shares (the `local_ray` fixture): its manifest. The same settings as the command
@@ -230,6 +229,7 @@ def job_in_process(cmd: list[str]) -> dict:
 
     assert cmd[1:3] == ["-m", "pipelines.compress"], cmd
     return compress.run(compress.parse_args(cmd[3:]))
+
 
 def counted_applies(monkeypatch, function) -> list:
     """A list that gets one entry for each call of the autograd Function's `apply`."""
