@@ -220,15 +220,17 @@ def partial_files(out: Path) -> list[str]:
 
 
 def job_in_process(cmd: list[str]) -> dict:
-    """A job command line (`python -m pipelines.compress ...`) run in this process, on the
-    Ray it shares (the `local_ray` fixture): its manifest. The same settings as the command
-    run as a subprocess, without the ~40 CPU-seconds a subprocess spends starting its own
-    Ray and importing torch again; for the runs where no process is killed or read from
-    the console. The fault variables set here reach the scoring actors (runtime.actor_resources)."""
+    """A job command line (`python -m pipelines.compress ...` or `mist compress ...`) run in
+    this process, on the Ray it shares (the `local_ray` fixture): its manifest. The same
+    settings as the command run as a subprocess, without the ~40 CPU-seconds a subprocess
+    spends starting its own Ray and importing torch again; for the runs where no process is
+    killed or read from the console. The fault variables set here reach the scoring actors
+    (runtime.actor_resources)."""
     from pipelines.job import compress
 
-    assert cmd[1:3] == ["-m", "pipelines.compress"], cmd
-    return compress.run(compress.parse_args(cmd[3:]))
+    start = 3 if cmd[1:3] == ["-m", "pipelines.compress"] else 2
+    assert start == 3 or cmd[:2] == ["mist", "compress"], cmd
+    return compress.run(compress.parse_args(cmd[start:]))
 
 
 def counted_applies(monkeypatch, function) -> list:

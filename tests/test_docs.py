@@ -24,6 +24,7 @@ from unittest import mock
 import pytest
 import yaml
 
+from conftest import job_in_process
 from pipelines.cli import COMMANDS
 from mist_core.data.demo import demo_corpus
 
@@ -372,7 +373,7 @@ def test_demo_then_recipes_as_written(local_ray, tmp_path, monkeypatch):
     from pipelines.job.output import Output
 
     monkeypatch.chdir(work)
-    again = compress.run(compress.parse_args(shlex.split(demo[1])[2:]))
+    again = job_in_process(shlex.split(demo[1]))
     assert "scored 0, rejected 0, already done 48" in compress.summary(again, Output(again["output"]))
     read = run_python(block("data = pl.read_parquet("), work, monkeypatch)
     assert read["data"].height == 48 * 5 and read["sft"].num_rows == 48
