@@ -55,6 +55,20 @@ def test_run_main_prints_one_line_and_returns_the_status(capsys):
     assert err == "error: --sample must be at least 1\n"
 
 
+def test_ctrl_c_is_130_and_leaves_ctrl_c_working(capsys):
+    """Ctrl-C is ignored while the line is printed, then works again: a process that goes on
+    (a test, a notebook) and every process it starts would otherwise ignore it for good."""
+    import signal
+
+    def body():
+        raise KeyboardInterrupt
+
+    before = signal.getsignal(signal.SIGINT)
+    assert run_main(body, interrupted="stopped") == 130
+    assert capsys.readouterr().err == "error: stopped\n"
+    assert signal.getsignal(signal.SIGINT) is before is not signal.SIG_IGN
+
+
 def test_a_bug_keeps_its_traceback():
     def body():
         raise KeyError("a bug")

@@ -60,12 +60,13 @@ def run_main(body: Callable[[], int], interrupted: str = "interrupted (Ctrl-C)")
     """Run an entry point's body under the policy: a known error is one line and its exit
     status; Ray, if this process started it, is shut down first so that its shutdown
     messages do not follow ours. Ctrl-C is the line `interrupted` and exit status 130."""
+    handler = None
     try:
         return body()
     except KeyboardInterrupt:
         # A second Ctrl-C while Ray shuts down would print the traceback this line replaces.
         try:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
         except ValueError:  # not the main thread: nothing to guard
             pass
         known = (INTERRUPTED, interrupted)
@@ -73,10 +74,16 @@ def run_main(body: Callable[[], int], interrupted: str = "interrupted (Ctrl-C)")
         known = classify(e)
         if known is None:
             raise
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()
-    print(f"error: {known[1]}", file=sys.stderr, flush=True)
+    try:
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
+        print(f"error: {known[1]}", file=sys.stderr, flush=True)
+    finally:
+        # Ctrl-C works again in a process that goes on (a notebook, a test): an ignored
+        # SIGINT would also be inherited by every process it starts.
+        if handler is not None:
+            signal.signal(signal.SIGINT, handler)
     return known[0]
 
 
