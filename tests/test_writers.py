@@ -275,9 +275,10 @@ def test_ctrl_c_is_one_line_and_exit_130_and_the_rerun_resumes(local_ray, model_
     out = tmp_path / "out"
     cmd = command(tmp_path / "in.jsonl", out, model_dir, "--batch-size", "1",
                   "--rows-per-file", "2")
-    # Scoring calls of 8 rows, 2 s each; the writer gets blocks of 12 rows: the first
-    # files land about 4 s into scoring, with about 8 s of it left for the Ctrl-C to land
-    # in (0.5 s calls left 1 s, which a loaded machine missed: the run finished first).
+    # Six scoring calls of 8 rows, 2 s each, whose rows are written as each call ends: the
+    # first files land one call into scoring, with five calls left for the Ctrl-C to land
+    # in (before each call was its own block, they all landed at the end, and the run
+    # finished first on an idle machine).
     proc = start(cmd, tmp_path / "first.log", MIST_FAULT_SLEEP_S="2")
     deadline = time.monotonic() + 180
     while not committed(out / "data"):  # a file written, not one being written

@@ -214,6 +214,10 @@ def build(cfg: JobConfig, inputs: list[Input], plan: Plan, existing: Existing,
         stages.prepare_batch, batch_format="pyarrow", memory=TASK_MEMORY,
         fn_kwargs={"cfg": cfg, "done_ids": existing.done_ids, "dup_rows": plan.dup_rows})
     if plan.to_score:  # no actors (no GPUs woken up) when there is nothing new
+        # One scoring call per block: an actor task's rows reach the writer when its call
+        # ends, not when the whole read block (up to sources.BLOCK_ROWS rows) is scored, so
+        # --rows-per-file groups commit as scoring goes and the actors share the work evenly.
+        ds = ds.repartition(target_num_rows_per_block=cfg.batch_size * CALL_BATCHES)
         ds = ds.map_batches(
             stages.ScoreActor, compute=runtime.actor_pool(cfg.actors), batch_size=cfg.batch_size * CALL_BATCHES,
             batch_format="pyarrow",
