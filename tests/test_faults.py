@@ -106,6 +106,7 @@ def test_a_model_that_cannot_load_fails_once_and_clearly(local_ray, model_dir, t
     running.start()
     running.join(300)
     assert not running.is_alive(), "the run did not stop: a restart loop?"
+    assert raised, "the run did not fail"
     status, line = exits.classify(raised[0])  # what the command prints, and exits with
     assert status == 2 and "\n" not in line, line
     assert line.startswith("a scoring actor could not load --model") and "broken-model" in line
