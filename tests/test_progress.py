@@ -200,7 +200,7 @@ def test_relative_paths_are_fine_outside_job_submit(monkeypatch):
 # ------------------------------------------------------------------ a run, watched
 
 
-def job(tmp_path: Path, model_dir, *extra, sleep: str, timeout: float = 420):
+def job(tmp_path: Path, model_dir, sleep: str, timeout: float = 420):
     """Run the job on 200 rows in a subprocess with its own local Ray; returns (exit
     status, [(seconds since start, line)]), each line timed as it arrived."""
     rows = demo_corpus(200, seed=7)
@@ -213,7 +213,7 @@ def job(tmp_path: Path, model_dir, *extra, sleep: str, timeout: float = 420):
                MIST_FAULT_SLEEP_S=sleep)  # every scoring call takes that much longer
     cmd = [sys.executable, "-m", "pipelines.compress", "--input", str(corpus),
            "--output", str(tmp_path / "out"), "--model", str(model_dir), "--budgets", "0.5",
-           "--unit", "token", "--batch-size", "2", *extra]
+           "--unit", "token", "--batch-size", "2"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1,
                             start_new_session=True)
