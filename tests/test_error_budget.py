@@ -3,10 +3,9 @@
 (--max-error-share, default 0) turns a run whose rows failed past it into exit status 5, one
 line, no manifest, and a re-run that redoes those rows.
 
-The library and budget tests run in-process; the job tests (marked integration) run the job
-as tests/test_faults.py does, with faults injected through pipelines/common/faults.py: as
-`python -m pipelines.compress` in a subprocess with its own local Ray where its console is
-read, else in this process on the tests' Ray (conftest.job_in_process)."""
+Everything runs in this process; the job tests (marked integration) run the job on the
+tests' Ray (conftest.job_in_process), with faults injected through pipelines/common/faults.py,
+and check the exit status and line through exits.classify."""
 from __future__ import annotations
 
 import json
@@ -33,7 +32,7 @@ from pipelines.common.settings import ConfigError
 from pipelines.job.output import Output
 from pipelines.job.budget import ErrorBudget
 from pipelines.job.sink import WriteStats
-from test_faults import assert_exactly_once, command, corpus, output_rows, run
+from test_faults import assert_exactly_once, command, corpus, output_rows
 
 
 # ------------------------------------------------------------------ the library
@@ -222,43 +221,42 @@ def rejects_by_reason(out: Path) -> Counter:
                    for r in pq.read_table(f).column("reason").to_pylist())
 
 
-def one_error_line(p) -> str:
-    """The job's own message: the last line of stderr, and the only one that starts with
-    `error:` (Ray logs the write task's exception above it, in its own words)."""
-    lines = p.stderr.strip().splitlines()
-    assert [ln for ln in lines if ln.startswith("error:")] == lines[-1:], p.stderr[-3000:]
-    return lines[-1]
-
-
 @pytest.mark.integration
 def test_every_row_failing_stops_early_exits_5_and_a_rerun_redoes_them(local_ray, model_dir,
-                                                                       tmp_path):
+                                                                       tmp_path, monkeypatch):
     """The scorer raises on every call: the first file group to commit spends the budget
     (0 by default), the run stops there with exit status 5, one line and no manifest. The
     same command without the fault redoes the failed rows and the rest, with only the bad
-    input left in rejects/, and exits 0 (input-quality rejects never count)."""
+    input left in rejects/, and exits 0 (input-quality rejects never count). In this
+    process: exits.classify gives the status and line the command prints (the console's
+    one `error:` line is checked on the Ctrl-C and storage-outage runs)."""
     ids = job_corpus(tmp_path / "corpus.jsonl")
     out = tmp_path / "out"
     # calls of 8 rows; each call takes 3 s more, so the second is still running when the
     # first call's group commits and stops the run
     cmd = command(tmp_path / "corpus.jsonl", out, model_dir, "--batch-size", "1",
                   "--rows-per-file", "2")
-    p = run(cmd, MIST_FAULT_SCORE_ERROR=".*", MIST_FAULT_SLEEP_S="3")
-    assert p.returncode == 5, p.stdout[-3000:] + p.stderr[-3000:]
-    line = one_error_line(p)
+    monkeypatch.setenv("MIST_FAULT_SCORE_ERROR", ".*")
+    monkeypatch.setenv("MIST_FAULT_SLEEP_S", "3")
+    with pytest.raises(ErrorBudgetExceeded) as stopped:
+        job_in_process(cmd)
+    status, message = exits.classify(stopped.value)
+    assert status == 5 and "\n" not in message, message
     m = re.fullmatch(
-        r"error: (\d+) of 13 rows failed \(the run stopped after (\d+)\), more than "
+        r"(\d+) of 13 rows failed \(the run stopped after (\d+)\), more than "
         r"--max-error-share 0 allows \(0\); first: score_error: RuntimeError: injected scoring "
         r"failure \(MIST_FAULT_SCORE_ERROR\) on (r\d) \(\S+/corpus\.jsonl row \d+, id \3\); "
         r"the run wrote no manifest: fix the cause and rerun the same command, which redoes "
-        r"the failed rows", line)
-    assert m, line
+        r"the failed rows", message)
+    assert m, message
     assert 0 < int(m[1]) <= int(m[2]) < 13
     assert not (out / "_manifest.json").exists()
     assert not partial_files(out), partial_files(out)  # rejects/*.parquet reads as it is
     failed = rejects_by_reason(out)
     assert failed["score_error"] == int(m[1]) and set(failed) <= {"score_error", *INPUT_REJECTS}
 
+    monkeypatch.delenv("MIST_FAULT_SCORE_ERROR")
+    monkeypatch.delenv("MIST_FAULT_SLEEP_S")
     manifest = job_in_process(cmd)  # fixed: the same command again
     assert manifest == json.loads((out / "_manifest.json").read_text())
     c = manifest["counts"]

@@ -47,12 +47,6 @@ def env(**faults) -> dict:
     return e
 
 
-def run(cmd, timeout=240, **faults) -> subprocess.CompletedProcess:
-    """The job as a subprocess with its own local Ray (test_error_budget's exit-5 run)."""
-    return subprocess.run(cmd, cwd=REPO, env=env(**faults), capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def output_rows(out: Path) -> tuple[Counter, Counter]:
     """(id, budget) -> count in data/, id -> count in sft/."""
     data = Counter()
