@@ -398,7 +398,7 @@ def test_gsm8k_command_as_written(local_ray, tmp_path, monkeypatch):
     monkeypatch.chdir(work)
     manifest = job_in_process(shlex.split(gsm8k))
     assert manifest == json.loads((work / "outputs/gsm8k/_manifest.json").read_text())
-    assert manifest["counts"]["read"] == 20 and manifest["counts"]["scored"] >= 19, manifest
+    assert manifest["counts"]["read"] == 10 and manifest["counts"]["scored"] >= 9, manifest
     assert (work / "outputs/gsm8k/scores").is_dir()
 
 
