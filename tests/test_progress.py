@@ -169,6 +169,24 @@ def test_scoring_actor_reports_during_a_call(model_dir, monkeypatch):
         assert row["scores"] == pytest.approx(res.scores.tolist(), abs=1e-5)
 
 
+def test_the_first_call_says_scoring_began_before_its_first_pass_ends(model_dir, monkeypatch):
+    """The demo's 24 chains are one forward pass: the driver must learn that scoring began
+    when the pass starts, not when it ends (it said "the scoring actors are starting
+    (loading the model)" for the whole pass)."""
+    stats = FakeStats()
+    actor = stages.ScoreActor(JobConfig(model=str(model_dir), batch_size=8), device="cpu",
+                              stats=stats)
+    ready = len(stats.calls)
+    seen = []
+    score = actor.scorer.score_encoded
+    monkeypatch.setattr(actor.scorer, "score_encoded",
+                        lambda *a, **k: seen.append(list(stats.calls)) or score(*a, **k))
+    actor(stream_batch(str(model_dir), 4))
+    [calls] = seen  # one pass of 4
+    assert calls[ready:] and calls[-1][1] is not None  # a report with its start time
+    assert calls[-1][0]["chains_scored"] == 0
+
+
 # ------------------------------------------------------------------ paths under ray job submit
 
 

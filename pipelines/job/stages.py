@@ -249,8 +249,9 @@ class ScoreActor:
         todo = [r for r in rows if r["status"] == OK]
         if todo:
             t, busy = time.perf_counter(), self.busy
-            if self.started is None:
-                self.started = time.time()
+            if self.started is None:  # said at once: the driver's line stops saying
+                self.started = time.time()  # "loading the model" during a long first pass
+                self._report()
             encs = [_encoded(r) for r in todo]
             try:
                 faults.before_score([r["id"] for r in todo])
