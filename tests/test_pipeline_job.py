@@ -201,7 +201,7 @@ def test_one_machine_submission_as_the_readme_writes_it(readme_cluster, tmp_path
     assert re.search(r"Job 'raysubmit_\w+' succeeded", p.stdout), p.stdout[-3000:]
     assert "MIST compression finished" in p.stdout
     manifest = json.loads((out / "_manifest.json").read_text())
-    assert manifest["output"] == str(out) and manifest["counts"]["scored"] == 48
+    assert manifest["output"] == str(out) and manifest["counts"]["scored"] == 24
 
     refused = run("outputs/submitted-relative")
     assert refused.returncode == 1, refused.stdout[-3000:] + refused.stderr[-3000:]

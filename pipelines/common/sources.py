@@ -170,12 +170,12 @@ def hf_table(uri: str, input_idx: int) -> pa.Table:
 
 def demo_table(spec: str, input_idx: int) -> pa.Table:
     """`demo`, `demo:N` or `demo:N:seed=S`: the built-in corpus (mist_core.data.demo)."""
-    from mist_core.data.demo import demo_corpus
+    from mist_core.data.demo import DEMO_SIZE, demo_corpus
 
     m = _DEMO.match(spec)
     if not m:
         raise ValueError(f"bad demo input {spec!r}: use demo, demo:N or demo:N:seed=S")
-    rows = demo_corpus(int(m["n"] or 48), int(m["seed"] or 0))
+    rows = demo_corpus(int(m["n"] or DEMO_SIZE), int(m["seed"] or 0))
     return _rows_table(input_idx, spec, rows)
 
 

@@ -503,7 +503,7 @@ prunes each chain to every budget, and writes under --output:
   rejects/  every input row that could not be used, with its reason
   _manifest.json   written last: settings, versions, counts, timings
 
-With no arguments it runs the built-in demo on this machine: 48 generated arithmetic
+With no arguments it runs the built-in demo on this machine: 24 generated arithmetic
 problems, SmolLM2-135M-Instruct, output in ./outputs/demo.
 Running again onto the same --output (mode refresh) scores only rows not yet there."""
 
