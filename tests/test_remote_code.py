@@ -7,8 +7,6 @@ from __future__ import annotations
 import ast
 import io
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -101,14 +99,21 @@ def _commands(tmp_path: Path, model: Path) -> dict[str, list[str]]:
 @pytest.mark.integration
 @pytest.mark.parametrize("command", ["solve", "generate", "train", "compress"])
 def test_each_command_refuses_a_folder_with_code_whatever_stdin_says(evil_model, tmp_path,
-                                                                      command):
+                                                                      command, monkeypatch,
+                                                                      capsys):
+    """`mist <command>` as the console script runs it (its main, exit status and stderr), in
+    this process with "y" lines on stdin, as `yes |` would give a subprocess."""
+    from pipelines import cli
+
     path, marker = evil_model
     argv = _commands(tmp_path, path)[command] + ["--model", str(path)]
-    env = {**os.environ, "RAY_ADDRESS": "", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "pipelines.cli", command, *argv], cwd=tmp_path,
-                          input="y\n" * 50, capture_output=True, text=True, timeout=240, env=env)
-    assert not marker.exists(), done.stderr[-2000:]
-    assert done.returncode == 2, done.stderr[-2000:]
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "--trust-remote-code" in last, done.stderr[-2000:]
-    assert "Traceback" not in done.stderr and "[y/N]" not in done.stdout + done.stderr
+    monkeypatch.setenv("RAY_ADDRESS", "")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n" * 50))
+    status = cli.main([command, *argv])
+    out, err = capsys.readouterr()
+    assert not marker.exists(), err[-2000:]
+    assert status == 2, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "--trust-remote-code" in last, err[-2000:]
+    assert "Traceback" not in err and "[y/N]" not in out + err
