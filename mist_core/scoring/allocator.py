@@ -124,9 +124,17 @@ def glibc():
 
 def release(device: torch.device) -> None:
     """Give back what is cached: after an out-of-memory error, what the failed attempt
-    left; on a CPU, also what stored passes kept for the next one (keep_freed), until a
+    left (a garbage collection first: a traceback's frames can hold its tensors in a
+    cycle); on a CPU, also what stored passes kept for the next one (keep_freed), until a
     stored pass keeps it again."""
     gc.collect()
+    trim(device)
+
+
+def trim(device: torch.device) -> None:
+    """release without the garbage collection: a full one visits every object of a process
+    with torch and transformers loaded, and after scoring it finds nothing to free (the
+    passes leave no cycles). What a new scorer calls to take its memory base."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
     libc = _glibc_of(device)

@@ -8,7 +8,6 @@ excluded), so it holds for any architecture, dtype and attention kernel without 
 models."""
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -131,7 +130,6 @@ def measure(lm: LM, tokens: int = 64) -> Footprint:
                    - saved_bytes(probe(tokens), params), 0) / tokens
 
     stored, mlp_saved = slope(whole), slope(mlp)
-    gc.collect()
     config = lm.model.config
     elt = torch.finfo(lm.dtype).bits // 8
     heads = getattr(config, "num_attention_heads", 1)

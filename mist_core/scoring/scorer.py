@@ -148,7 +148,7 @@ class Scorer:
         self.max_memory = memory.auto_cap(lm.device) if max_memory == "auto" else \
             memory.parse_bytes(max_memory)
         # what max_memory is beyond: the process with the model loaded and nothing kept
-        allocator.release(lm.device)
+        allocator.trim(lm.device)
         self._resident = allocator.resident()
 
     @cached_property
