@@ -99,7 +99,7 @@ def _garden(r: random.Random, name: str) -> tuple[str, str, int, str]:
 TEMPLATES = [_shopping, _eggs, _walking, _sharing, _savings, _garden]
 
 
-DEMO_SIZE = 24  # `make demo`: scored in about half a minute on a 2-CPU machine
+DEMO_SIZE = 24  # `make demo`'s corpus (`--input demo`): a first run that ends in about a minute
 
 
 def demo_corpus(n: int = DEMO_SIZE, seed: int = 0) -> list[dict]:
