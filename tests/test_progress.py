@@ -3,12 +3,12 @@ planned, chains/s, ETA, rejects), fed by the scoring actors as they go, at a ste
 (--progress-interval); and the refusal of relative paths under `ray job submit`."""
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
 import os
 import re
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -247,13 +247,12 @@ def job(tmp_path: Path, model_dir, sleep: str, monkeypatch) -> list[tuple[float,
     level = logger.level
     logger.addHandler(plan)
     logger.setLevel(logging.INFO)
-    real, sys.stdout = sys.stdout, out
     try:
-        job_in_process(["mist", "compress", "--input", str(corpus), "--output",
-                        str(tmp_path / "out"), "--model", str(model_dir), "--budgets", "0.5",
-                        "--unit", "token", "--batch-size", "2"])
+        with contextlib.redirect_stdout(out):  # the progress thread prints to sys.stdout
+            job_in_process(["mist", "compress", "--input", str(corpus), "--output",
+                            str(tmp_path / "out"), "--model", str(model_dir), "--budgets",
+                            "0.5", "--unit", "token", "--batch-size", "2"])
     finally:
-        sys.stdout = real
         logger.removeHandler(plan)
         logger.setLevel(level)
     out.write("MIST compression finished\n")
