@@ -10,8 +10,8 @@ from hypothesis import given, settings, strategies as st
 
 from mist_core import Example, MistScorer, get_adapter, prune
 from mist_core.scoring.prune import (EQUATION, NUMBER, OPERATORS, UNITS, budget_tokens, cut_numbers,
-                                     merge_spans, prune_scores, pruning_units, token_pieces,
-                                     word_units)
+                                     merge_spans, prune_scores, pruning_units, sentence_ids,
+                                     token_pieces, word_units)
 
 
 def _is_subsequence(kept: str, original: str) -> bool:
@@ -140,6 +140,71 @@ def test_equations_first_takes_the_computations_not_every_number():
     assert more.text == "has 12 7 so 12 + 7 = 19" and more.kept_tokens == 9
     with pytest.raises(ValueError, match="exclude"):
         prune(ex, scored, budgets=[0.5], facts_first=True, equations_first=True)
+
+
+def _word_offsets(cot: str) -> np.ndarray:
+    """A token a word, a number or a punctuation mark, with the space before it."""
+    return np.array([m.span() for m in re.finditer(r"\s*(?:\d+|\w+|[^\w\s])", cot)])
+
+
+def test_sentences_first_drops_whole_sentences_before_cutting_into_one():
+    """sentences_first: the sentences without an equation go whole, lowest mean score first,
+    while the chain is over the budget (a distractor's number with them); then the budget is
+    filled as before from what is left."""
+    cot = ("Dan has 9 coins. The coins are in a box. He loses 2, so 9 - 2 = 7. "
+           "The 4 cats do not count. Then 7 * 2 = 14.")
+    offsets = _word_offsets(cot)
+    pieces = token_pieces(cot, offsets)
+    sentence = sentence_ids(cot, offsets)
+    assert [int(sentence[i]) for i, p in enumerate(pieces) if p.strip() in ("Dan", "box", "He",
+                                                                            "cats", "Then")] == [0, 1, 2, 3, 4]
+    # the filler lowest, the distractor next, the start above both
+    by_sentence = {0: 1.0, 1: -3.0, 2: 0.5, 3: -1.0, 4: 0.2}
+    scores = np.array([by_sentence[int(s)] for s in sentence])
+    scores += np.linspace(0, 0.1, len(scores))  # no ties
+    scored = SimpleNamespace(scores=scores, chain_offsets=offsets)
+    ex = Example("q?", cot, "14")
+    T = len(offsets)
+    fits = sum(1 for s in sentence if s not in (1, 3))
+    [c] = prune(ex, scored, budgets=[fits / T], sentences_first=True)
+    assert c.text == "Dan has 9 coins. He loses 2, so 9 - 2 = 7. Then 7 * 2 = 14."
+    # a little less room: the three sentences left are cut into, token by token
+    [c] = prune(ex, scored, budgets=[(fits - 4) / T], sentences_first=True, facts_first=True)
+    assert "box" not in c.text and "cats" not in c.text and "4" not in c.text.split()
+    assert "9 - 2 = 7" in c.text and "7 * 2 = 14" in c.text
+    assert c.kept_tokens <= budget_tokens((fits - 4) / T, T)
+    # without it the numbers first keep the distractor's 4, and the filler's best words stay
+    [plain] = prune(ex, scored, budgets=[(fits - 4) / T], facts_first=True)
+    assert "4" in plain.text.split()
+    # room for everything: nothing is dropped
+    [whole] = prune(ex, scored, budgets=[1.0], sentences_first=True)
+    assert whole.text == cot
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.text(alphabet="ab12 .,=+\n", min_size=1, max_size=4), min_size=1, max_size=30),
+       st.floats(0.01, 1.0), st.sampled_from(UNITS), st.integers(0, 2**31))
+def test_sentences_first_on_random_chains(pieces, budget, unit, seed):
+    """Within the budget as without it, numbers whole, original text; at token level with
+    no multi-token unit as many tokens kept as without it (dropping a sentence whole never
+    leaves fewer than the budget)."""
+    cot = "".join(pieces)
+    if not cot.strip():
+        return
+    offsets = np.cumsum([0] + [len(p) for p in pieces])
+    offsets = np.stack([offsets[:-1], offsets[1:]], 1)
+    scores = np.random.default_rng(seed).normal(size=len(pieces))
+    scored = SimpleNamespace(scores=scores, chain_offsets=offsets)
+    [c] = prune(Example("q", cot, "a"), scored, [budget], unit=unit, sentences_first=True,
+                facts_first=seed % 2 == 0)
+    [plain] = prune(Example("q", cot, "a"), scored, [budget], unit=unit)
+    k = budget_tokens(budget, len(pieces))
+    assert c.kept_tokens <= max(k, plain.kept_tokens)
+    assert cut_numbers(cot, offsets, c.kept) == 0
+    assert _is_subsequence(c.text, cot)
+    units = pruning_units(cot, offsets, unit)
+    if len(np.unique(units)) == len(units):
+        assert c.kept_tokens == plain.kept_tokens == k
 
 
 @settings(max_examples=60, deadline=None)

@@ -282,6 +282,31 @@ def test_writer_arms_and_equations_first(problems, word_tokenizer):
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_sentence_arms_drop_whole_sentences(problems, word_tokenizer):
+    """The `_sent` arms: the method's scores pruned with sentences_first and facts_first
+    (uniform_sent on the uniform scores, writer_hybrid_sent on the default's); every equation
+    stays whole and the budget is kept to the token."""
+    from mist_core.data.examples import Example
+    from mist_core.distill.synthetic import EQUATION as STEP
+    from mist_core.models import wrap_model
+    from mist_core.scoring.prune import budget_tokens, prune
+    from pipelines.loop.testbed import score_and_prune
+
+    lm = wrap_model(tiny_llama(word_tokenizer, layers=2, hidden=32), word_tokenizer, "t")
+    chains = [{**p.row(), "source_id": p.id} for p in problems[:4]]
+    compressed, kept = score_and_prune(lm, chains, ["writer_hybrid_sent", "uniform_sent"], seed=0)
+    uniform, _ = _scored_alone("uniform", lm, chains)
+    for c, u in zip(chains, uniform):
+        ex = Example(c["question"], c["cot"], c["answer"], id=c["id"])
+        for g in (0.5, 0.7):
+            [want] = prune(ex, u, budgets=[g], sentences_first=True, facts_first=True)
+            assert compressed["uniform_sent"][c["id"]][g] == want.text
+            assert want.kept_tokens == budget_tokens(g, len(u.scores))
+            text = compressed["writer_hybrid_sent"][c["id"]][g]
+            assert len(STEP.findall(text)) == len(STEP.findall(c["cot"]))
+    assert kept["writer_hybrid_sent"]["0.5"]["recall"] > 0.9
+
+
 def test_a_stored_seed_is_not_scored_again(tmp_path, monkeypatch):
     """A seed whose arms and kept shares are all stored (a resumed or re-rendered run) is
     returned as stored, without scoring; an arm added to it scores that method alone."""

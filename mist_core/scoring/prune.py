@@ -20,6 +20,9 @@ NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 _TERM = r"\(*[$€£]?\d+(?:[.,]\d+)*%?\)*"
 EQUATION = re.compile(rf"{_TERM}(?:\s*[-+*/×÷^]\s*{_TERM})+(?:\s*=\s*{_TERM})+")
 UNITS = ("token", "word", "equation")
+# A sentence: text up to and including its end (`.`, `!` or `?` before whitespace or the
+# chain's end, or a line break). A decimal point (`3.75`) ends none.
+SENTENCE = re.compile(r"[^\n]*?(?:[.!?]+(?=\s|$)|\n|$)")
 # An arithmetic operator standing alone (a token's or a word's whole text): with the numbers,
 # the facts facts_first keeps ahead of the words around them.
 OPERATORS = frozenset("+-*/=×÷^")
@@ -135,6 +138,26 @@ def merge_spans(units: np.ndarray, offsets: np.ndarray, spans) -> np.ndarray:
     return units
 
 
+def sentence_ids(cot: str, offsets: np.ndarray) -> np.ndarray:
+    """The sentence (SENTENCE) each token belongs to, [T], by the character it starts its
+    non-space text at; a whitespace-only token goes with the sentence after it.
+
+    Examples:
+        >>> sentence_ids("He loses 6. So 3.5 left.", [[0, 2], [2, 8], [8, 10], [10, 11],
+        ...                                          [11, 14], [14, 18], [18, 23], [23, 24]]).tolist()
+        [0, 0, 0, 0, 1, 1, 1, 1]
+    """
+    offsets = np.asarray(offsets).reshape(-1, 2)
+    ends = [m.end() for m in SENTENCE.finditer(cot) if m.end() > m.start()]
+    ends = np.array(ends or [len(cot)])
+    first = []
+    for start, stop in offsets:
+        text = cot[start:stop]
+        first.append(start + len(text) - len(text.lstrip()) if text.strip() else stop)
+    return np.minimum(np.searchsorted(ends, np.array(first, dtype=np.int64), side="right"),
+                      len(ends) - 1)
+
+
 def pruning_units(cot: str, offsets: np.ndarray, unit: str = "token") -> np.ndarray:
     """The unit each chain token is kept or dropped with, [T] (equal ids: one unit).
 
@@ -176,15 +199,16 @@ def cut_numbers(cot: str, offsets: np.ndarray, kept: np.ndarray) -> int:
 
 
 def _select(unit_scores: np.ndarray, unit_sizes: np.ndarray, forced: np.ndarray, k: int,
-            first: np.ndarray | None = None) -> np.ndarray:
+            first: np.ndarray | None = None, barred: np.ndarray | None = None) -> np.ndarray:
     """Highest-scoring units first while the token count stays within k (the `first` units
-    ahead of all others, best first among them); forced units always; the best unit where
-    none fits (a chain of one long number). Ties go to the earlier unit."""
+    ahead of all others, best first among them); forced units always, `barred` ones never;
+    the best unit where none fits (a chain of one long number). Ties go to the earlier unit."""
     chosen = forced.copy()
     count = int(unit_sizes[chosen].sum())
     first = np.zeros(len(unit_scores), bool) if first is None else first
+    barred = np.zeros(len(unit_scores), bool) if barred is None else barred
     for u in np.lexsort((np.arange(len(unit_scores)), -unit_scores, ~first)):
-        if chosen[u]:
+        if chosen[u] or barred[u]:
             continue
         if count + unit_sizes[u] <= k:
             chosen[u] = True
@@ -192,13 +216,33 @@ def _select(unit_scores: np.ndarray, unit_sizes: np.ndarray, forced: np.ndarray,
             if count == k:
                 break
     if not chosen.any() and len(chosen):  # not one unit fits: the best one, over the budget
-        chosen[int(np.argmax(unit_scores))] = True
+        chosen[int(np.argmax(np.where(barred, -np.inf, unit_scores)))] = True
     return chosen
+
+
+def _dropped_sentences(cot: str, offsets: np.ndarray, scores: np.ndarray, k: int) -> np.ndarray:
+    """bool [T]: the tokens of the sentences dropped whole on the way to k tokens: sentences
+    without an equation over numbers, lowest mean score first, each where at least k tokens
+    are left without it (sentences_first)."""
+    sentence = sentence_ids(cot, offsets)
+    n = int(sentence.max()) + 1 if len(sentence) else 0
+    sizes = np.bincount(sentence, minlength=n)
+    means = np.bincount(sentence, weights=scores, minlength=n) / np.maximum(sizes, 1)
+    computes = np.zeros(n, bool)
+    for m in EQUATION.finditer(cot):
+        inside = (offsets[:, 0] < m.end()) & (offsets[:, 1] > m.start())
+        computes[np.unique(sentence[inside])] = True
+    dropped, left = np.zeros(n, bool), len(sentence)
+    for s in np.lexsort((np.arange(n), means)):
+        if sizes[s] and not computes[s] and left - sizes[s] >= k:
+            dropped[s] = True
+            left -= int(sizes[s])
+    return dropped[sentence]
 
 
 def prune(example: Example, scored, budgets: Sequence[float] = (0.5,), unit: str = "token",
           keep_digits: bool = False, facts_first: bool = False,
-          equations_first: bool = False) -> list[Compressed]:
+          equations_first: bool = False, sentences_first: bool = False) -> list[Compressed]:
     """For each budget γ keep ⌈γ·T⌉ chain tokens with the highest scores, in original order.
 
     A unit (pruning_units) scores the mean of its tokens' scores; units are taken best first
@@ -210,7 +254,11 @@ def prune(example: Example, scored, budgets: Sequence[float] = (0.5,), unit: str
     before any other, best first, within the budget: the score then decides which words
     around the facts stay (LLMLingua-2's force_reserve_digit, kept to the budget).
     equations_first takes the units in an equation over numbers (EQUATION: `16 - 3 = 13`)
-    first instead: the chain's computations, not every number it restates.
+    first instead: the chain's computations, not every number it restates. sentences_first
+    drops whole sentences before cutting into any: the chain's sentences without an equation
+    over numbers go whole, lowest mean score first, each where the budget's tokens are left
+    without it; the budget is then filled from what is left as above (so more of what stays
+    reads as sentences, and a dropped sentence's numbers go with it).
 
     Args:
         example: the example whose chain (`example.cot`) is pruned.
@@ -223,6 +271,8 @@ def prune(example: Example, scored, budgets: Sequence[float] = (0.5,), unit: str
         keep_digits: keep every unit with a digit, whatever its score.
         facts_first: take the units with a number or an operator first, within the budget.
         equations_first: take the units of the chain's equations first, within the budget.
+        sentences_first: drop whole sentences without an equation, lowest mean score first,
+            before cutting into any, as long as the budget's tokens are left.
 
     Returns:
         One Compressed per budget, in the order of `budgets`.
@@ -258,12 +308,13 @@ def prune(example: Example, scored, budgets: Sequence[float] = (0.5,), unit: str
         (6, '4 3 + 4 = 7')
     """
     return prune_scores(example, scored.scores, scored.chain_offsets, budgets, unit, keep_digits,
-                        facts_first, equations_first)
+                        facts_first, equations_first, sentences_first)
 
 
 def prune_scores(example: Example, scores, offsets, budgets: Sequence[float] = (0.5,),
                  unit: str = "token", keep_digits: bool = False,
-                 facts_first: bool = False, equations_first: bool = False) -> list[Compressed]:
+                 facts_first: bool = False, equations_first: bool = False,
+                 sentences_first: bool = False) -> list[Compressed]:
     """prune() on per-token `scores` [T] and the chain tokens' character `offsets` [T, 2]
     (any scorer's, or scores of one's own).
 
@@ -271,7 +322,8 @@ def prune_scores(example: Example, scores, offsets, budgets: Sequence[float] = (
         example: the example whose chain is pruned.
         scores: [T] one score per chain token, higher kept first.
         offsets: [T, 2] each chain token's character span in `example.cot`.
-        budgets, unit, keep_digits, facts_first, equations_first: as in prune.
+        budgets, unit, keep_digits, facts_first, equations_first, sentences_first: as in
+            prune.
 
     Returns:
         One Compressed per budget.
@@ -312,7 +364,14 @@ def prune_scores(example: Example, scores, offsets, budgets: Sequence[float] = (
         first = np.bincount(units, weights=inside, minlength=n_units) > 0
     out = []
     for budget in budgets:
-        chosen = _select(unit_scores, sizes, forced, budget_tokens(budget, T), first)
+        k = budget_tokens(budget, T)
+        barred = None
+        if sentences_first:
+            barred = np.bincount(units, weights=_dropped_sentences(cot, offsets, scores, k),
+                                 minlength=n_units) > 0
+        chosen = _select(unit_scores, sizes, forced, k, first, barred)
+        if barred is not None and sizes[chosen].sum() > k:  # what was left had no unit to fit
+            chosen = _select(unit_scores, sizes, forced, k, first)
         kept = chosen[units]
         text = "".join(p for p, k in zip(pieces, kept) if k).strip()
         out.append(Compressed(budget=float(budget), kept=kept, text=text))

@@ -51,8 +51,8 @@ METHODS = ("mist", "necessity", "sufficiency", "h2o", "crisp", "perplexity", "go
            "tail", "head", "mist_clipped", "mist_mean", "mist_equation", "mist_alpha", "hybrid",
            "mist_facts", "h2o_facts", "mist_writer", "necessity_writer", "writer_hybrid",
            "mist_writer_facts", "necessity_writer_facts", "writer_hybrid_facts", "mist_eq",
-           "h2o_eq", "mist_writer_eq", "necessity_writer_eq", "writer_hybrid_eq", "oracle",
-           "oracle_near", "oracle_cue")
+           "h2o_eq", "mist_writer_eq", "necessity_writer_eq", "writer_hybrid_eq",
+           "writer_hybrid_sent", "uniform_sent", "oracle", "oracle_near", "oracle_cue")
 # Not scorers: `head` keeps the first tokens (truncation), `tail` the last; `oracle` keeps the
 # generator's ground truth (operands, operators, results) and the equations' `=` first, then
 # random tokens up to ⌈γT⌉: the ceiling for any scorer. `oracle_near` fills with the tokens
@@ -87,6 +87,11 @@ FACTS_OF = {"mist_facts": "mist_clipped", "h2o_facts": "h2o", "mist_writer_facts
             "necessity_writer_facts": "necessity_writer", "writer_hybrid_facts": "writer_hybrid"}
 EQUATIONS_OF = {"mist_eq": "mist_clipped", "h2o_eq": "h2o", "mist_writer_eq": "mist_writer",
                 "necessity_writer_eq": "necessity_writer", "writer_hybrid_eq": "writer_hybrid"}
+# Another method's scores, pruned with whole sentences dropped first (prune's
+# sentences_first: the sentences without an equation, lowest mean score first), the numbers
+# and operators first in what is left. uniform_sent: random scores, the same rule (what the
+# rule does without a scorer).
+SENTENCES_OF = {"writer_hybrid_sent": "writer_hybrid", "uniform_sent": "uniform"}
 ALPHAS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 ALPHA_SLICE = 60  # Phase 0 chains α is chosen on
 # name -> (method a, method b, w, whether b's scores are taken in log): w·z(a) + (1 − w)·z(b).
@@ -250,8 +255,9 @@ def score_and_prune(lm, chains: list[dict], methods, seed: int, unit: str = "tok
                 log.warning("%s: chain %s not scored: %s", method, enc.example.id, sc)
                 continue
             kept = prune(enc.example, sc, budgets=TRAIN_BUDGETS, unit=UNIT_OF.get(method, unit),
-                         facts_first=method in FACTS_OF,
-                         equations_first=method in EQUATIONS_OF)
+                         facts_first=method in FACTS_OF or method in SENTENCES_OF,
+                         equations_first=method in EQUATIONS_OF,
+                         sentences_first=method in SENTENCES_OF)
             out[enc.example.id] = {c.budget: c.text for c in kept}
             if ok:
                 for c in kept:
@@ -301,8 +307,9 @@ def _scored(method: str, lm, encoded, labels: dict, seed: int, cache: dict) -> l
                                            + 1e-3 * rng.random(e.chain_len))
                   for e, n, q, k in zip(encoded, labels["needed"], labels["equals"],
                                         labels["cues"])]
-    elif method in FACTS_OF or method in EQUATIONS_OF:
-        scored = _scored({**FACTS_OF, **EQUATIONS_OF}[method], lm, encoded, labels, seed, cache)
+    elif method in FACTS_OF or method in EQUATIONS_OF or method in SENTENCES_OF:
+        scored = _scored({**FACTS_OF, **EQUATIONS_OF, **SENTENCES_OF}[method], lm, encoded, labels,
+                         seed, cache)
     elif method in HYBRIDS:
         a, b, w, log_b = HYBRIDS[method]
         scored = [x if not isinstance(x, ScoredChain) else y if not isinstance(y, ScoredChain)
@@ -685,7 +692,10 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
         "operators, `target=\"facts\"`); `writer_hybrid` 0.5·z(mist_clipped) + "
         "0.5·z(necessity_writer), one scorer (`target=\"both\"`). A `_facts` suffix prunes "
         "with the numbers and operators first, `_eq` with the equations first "
-        "(`equations_first`): the chain's computations, not the numbers it restates.",
+        "(`equations_first`): the chain's computations, not the numbers it restates; `_sent` "
+        "drops whole sentences first (`sentences_first`: those without an equation, lowest "
+        "mean score first, while the chain is over ⌈γT⌉), then the numbers and operators "
+        "first in what is left; `uniform_sent` does so on random scores.",
         f"- Phase 3: greedy answers on {sizes.test} new test questions under each γ (the "
         "controls under 1.0). *Chain tokens*: tokens the model writes before `The answer is`.",
         "- *Precision / recall*: of the chain tokens a method keeps at γ in the Phase 0 corpus "
@@ -736,7 +746,8 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
                 mi = t_interval(margins)
                 lines.append(f"| {arm} | {g:g} | {_fmt(mi, 100)} | {ahead(mi)} |")
     lines += ["", "![accuracy against chain tokens](downstream.png)"]
-    pairs = [(v, base) for v, (base, _) in VARIANTS.items()] + list(FACTS_OF.items())
+    pairs = ([(v, base) for v, (base, _) in VARIANTS.items()] + list(FACTS_OF.items())
+             + [(v, b + "_facts") for v, b in SENTENCES_OF.items()])
     for variant, base in pairs:
         if variant != base and variant in methods and base in methods:
             lines += ["", f"### {variant} − {base}, paired by seed", "",
