@@ -9,6 +9,8 @@ Arms (method × unit, every budget):
   were made whole; SmolLM2 writes a digit a token, so `16` could become `1`) and at
   mist_core.scoring.prune's `token`, `word` and `equation` units (numbers whole in each);
 - `facts`: the word unit with the numbers and operators taken first (prune's facts_first);
+- `sentences`: `facts` with whole sentences without an equation dropped first (prune's
+  sentences_first);
 - at the job's default unit (`word`): CRISP, MIST with clipped weights and mean ablation,
   and the hybrid 0.5·z(mist clipped) + 0.5·z(log h2o).
 Measures per chain: numbers cut (kept in part), tokens kept, the Eq. 1 drop
@@ -46,7 +48,7 @@ SCORERS = {**{m: VARIANTS[m] for m in ("mist", "mist_clipped", "mist_mean", "mis
 UNIT_METHODS = ("mist", "mist_clipped", "h2o", "mist_writer", "necessity_writer",
                 "writer_hybrid")  # at every unit
 WORD_METHODS = ("crisp", "mist_mean", "hybrid")  # at the job's default unit only
-ALL_UNITS = ("subword",) + UNITS + ("facts", "equations")
+ALL_UNITS = ("subword",) + UNITS + ("facts", "equations", "sentences")
 MEASURES = ("numbers_cut", "kept", "drop", "accuracy", "results", "equations")
 PAIRS = [((m, "equation"), (m, "word")) for m in UNIT_METHODS] + \
         [((m, "word"), (m, "token")) for m in UNIT_METHODS] + \
@@ -59,7 +61,9 @@ PAIRS = [((m, "equation"), (m, "word")) for m in UNIT_METHODS] + \
         [((w, u), (m, u)) for w in ("mist_writer", "necessity_writer", "writer_hybrid")
          for m in ("mist_clipped", "h2o")
          for u in ("facts", "word", "equations")] + \
-        [((m, "equations"), (m, "facts")) for m in UNIT_METHODS]
+        [((m, "equations"), (m, "facts")) for m in UNIT_METHODS] + \
+        [((m, "sentences"), (m, "facts")) for m in UNIT_METHODS] + \
+        [(("writer_hybrid", "sentences"), ("h2o", u)) for u in ("sentences", "facts")]
 
 
 def arms(units, methods=None) -> list[tuple[str, str]]:
@@ -91,10 +95,12 @@ def measure_chain(lm, enc, scores: dict, budgets, arms) -> dict:
         if unit == "subword":
             for g in budgets:
                 masks[f"{method}/{unit}/{g}"] = subword_mask(s, g)
-        else:  # facts, equations: words, the numbers and operators or the equations first
+        else:  # facts, equations, sentences: words, and what each takes first
             for c in prune_scores(enc.example, s, offsets, budgets,
-                                  "word" if unit in ("facts", "equations") else unit,
-                                  facts_first=unit == "facts", equations_first=unit == "equations"):
+                                  "word" if unit in ("facts", "equations", "sentences") else unit,
+                                  facts_first=unit in ("facts", "sentences"),
+                                  equations_first=unit == "equations",
+                                  sentences_first=unit == "sentences"):
                 masks[f"{method}/{unit}/{c.budget}"] = c.kept
     ev = evaluate_chain(lm, enc, masks, "gsm8k")
     n_results = ev["_chain"]["results"]
@@ -161,7 +167,9 @@ def render(result: dict, budgets) -> str:
              + (" `facts` is the word unit with the numbers and operators taken first "
                 "(`facts_first`)." if "facts" in head["units"] else "")
              + (" `equations` is the word unit with the equations taken first "
-                "(`equations_first`)." if "equations" in head["units"] else ""), "",
+                "(`equations_first`)." if "equations" in head["units"] else "")
+             + (" `sentences` is `facts` with whole sentences without an equation dropped "
+                "first (`sentences_first`)." if "sentences" in head["units"] else ""), "",
              "| method | unit | γ | numbers cut | tokens kept % | Eq. 1 drop, nats | Eq. 1 retention % "
              "| accuracy % | results kept % | equations kept % |", "|---|---|---|---|---|---|---|---|---|---|"]
     for method, unit in arms(head["units"], head.get("methods")):

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from mist_core import Example, MistScorer, get_adapter, prune
-from mist_core.scoring.prune import (EQUATION, NUMBER, OPERATORS, UNITS, budget_tokens, cut_numbers,
-                                     merge_spans, prune_scores, pruning_units, sentence_ids,
-                                     token_pieces, word_units)
+from mist_core.scoring.prune import (EQUATION, NUMBER, OPERATORS, SENTENCE_KEEPS, UNITS,
+                                     budget_tokens, cut_numbers, merge_spans, prune_scores,
+                                     pruning_units, sentence_ids, token_pieces, word_units)
 
 
 def _is_subsequence(kept: str, original: str) -> bool:
@@ -166,10 +166,11 @@ def test_sentences_first_drops_whole_sentences_before_cutting_into_one():
     ex = Example("q?", cot, "14")
     T = len(offsets)
     fits = sum(1 for s in sentence if s not in (1, 3))
-    [c] = prune(ex, scored, budgets=[fits / T], sentences_first=True)
+    [c] = prune(ex, scored, budgets=[fits / T], sentences_first="equations")
     assert c.text == "Dan has 9 coins. He loses 2, so 9 - 2 = 7. Then 7 * 2 = 14."
     # a little less room: the three sentences left are cut into, token by token
-    [c] = prune(ex, scored, budgets=[(fits - 4) / T], sentences_first=True, facts_first=True)
+    [c] = prune(ex, scored, budgets=[(fits - 4) / T], sentences_first="equations",
+                facts_first=True)
     assert "box" not in c.text and "cats" not in c.text and "4" not in c.text.split()
     assert "9 - 2 = 7" in c.text and "7 * 2 = 14" in c.text
     assert c.kept_tokens <= budget_tokens((fits - 4) / T, T)
@@ -177,14 +178,22 @@ def test_sentences_first_drops_whole_sentences_before_cutting_into_one():
     [plain] = prune(ex, scored, budgets=[(fits - 4) / T], facts_first=True)
     assert "4" in plain.text.split()
     # room for everything: nothing is dropped
-    [whole] = prune(ex, scored, budgets=[1.0], sentences_first=True)
+    [whole] = prune(ex, scored, budgets=[1.0], sentences_first="equations")
     assert whole.text == cot
+    # "facts": only the sentences without a number or an operator go whole (the filler); the
+    # distractor's 4 stays, first among the facts, the start sentence too
+    [c] = prune(ex, scored, budgets=[(fits - 4) / T], sentences_first="facts", facts_first=True)
+    assert "box" not in c.text and "4" in c.text.split() and "9 - 2 = 7" in c.text
+    assert c.text.startswith("Dan has 9")
+    with pytest.raises(ValueError, match="sentences_first"):
+        prune(ex, scored, budgets=[0.5], sentences_first="words")
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.text(alphabet="ab12 .,=+\n", min_size=1, max_size=4), min_size=1, max_size=30),
-       st.floats(0.01, 1.0), st.sampled_from(UNITS), st.integers(0, 2**31))
-def test_sentences_first_on_random_chains(pieces, budget, unit, seed):
+       st.floats(0.01, 1.0), st.sampled_from(UNITS), st.integers(0, 2**31),
+       st.sampled_from(SENTENCE_KEEPS))
+def test_sentences_first_on_random_chains(pieces, budget, unit, seed, keep):
     """Within the budget as without it, numbers whole, original text; at token level with
     no multi-token unit as many tokens kept as without it (dropping a sentence whole never
     leaves fewer than the budget)."""
@@ -195,7 +204,7 @@ def test_sentences_first_on_random_chains(pieces, budget, unit, seed):
     offsets = np.stack([offsets[:-1], offsets[1:]], 1)
     scores = np.random.default_rng(seed).normal(size=len(pieces))
     scored = SimpleNamespace(scores=scores, chain_offsets=offsets)
-    [c] = prune(Example("q", cot, "a"), scored, [budget], unit=unit, sentences_first=True,
+    [c] = prune(Example("q", cot, "a"), scored, [budget], unit=unit, sentences_first=keep,
                 facts_first=seed % 2 == 0)
     [plain] = prune(Example("q", cot, "a"), scored, [budget], unit=unit)
     k = budget_tokens(budget, len(pieces))

@@ -160,6 +160,12 @@ def test_a_refresh_keeps_the_layer_weights_of_the_output():
     with pytest.raises(ConfigError, match="target 'answer' vs 'both'"):
         check_compatible(clipped, "m", existing(before), out)
     check_compatible(JobConfig(budgets=[0.5], target="answer"), "m", existing(before), out)
+    # An output from before sentences_first: it was off; a refresh asking for it is refused.
+    with pytest.raises(ConfigError, match="sentences_first False vs True"):
+        check_compatible(JobConfig(budgets=[0.5], sentences_first=True), "m", existing(current),
+                         out)
+    check_compatible(JobConfig(budgets=[0.5], sentences_first=True), "m",
+                     existing({**current, "sentences_first": True}), out)
 
 
 def test_one_builder_makes_every_registered_scorer(tiny_lm):

@@ -299,7 +299,7 @@ def test_sentence_arms_drop_whole_sentences(problems, word_tokenizer):
     for c, u in zip(chains, uniform):
         ex = Example(c["question"], c["cot"], c["answer"], id=c["id"])
         for g in (0.5, 0.7):
-            [want] = prune(ex, u, budgets=[g], sentences_first=True, facts_first=True)
+            [want] = prune(ex, u, budgets=[g], sentences_first="equations", facts_first=True)
             assert compressed["uniform_sent"][c["id"]][g] == want.text
             assert want.kept_tokens == budget_tokens(g, len(u.scores))
             text = compressed["writer_hybrid_sent"][c["id"]][g]

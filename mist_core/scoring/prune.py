@@ -23,6 +23,9 @@ UNITS = ("token", "word", "equation")
 # A sentence: text up to and including its end (`.`, `!` or `?` before whitespace or the
 # chain's end, or a line break). A decimal point (`3.75`) ends none.
 SENTENCE = re.compile(r"[^\n]*?(?:[.!?]+(?=\s|$)|\n|$)")
+# What a sentence must hold not to be dropped whole by sentences_first: an equation over
+# numbers, or a fact (a number or an operator).
+SENTENCE_KEEPS = ("equations", "facts")
 # An arithmetic operator standing alone (a token's or a word's whole text): with the numbers,
 # the facts facts_first keeps ahead of the words around them.
 OPERATORS = frozenset("+-*/=×÷^")
@@ -220,16 +223,20 @@ def _select(unit_scores: np.ndarray, unit_sizes: np.ndarray, forced: np.ndarray,
     return chosen
 
 
-def _dropped_sentences(cot: str, offsets: np.ndarray, scores: np.ndarray, k: int) -> np.ndarray:
+def _dropped_sentences(cot: str, offsets: np.ndarray, scores: np.ndarray, k: int,
+                       keep: str) -> np.ndarray:
     """bool [T]: the tokens of the sentences dropped whole on the way to k tokens: sentences
-    without an equation over numbers, lowest mean score first, each where at least k tokens
-    are left without it (sentences_first)."""
+    without an equation over numbers (keep "equations") or without a fact (keep "facts": a
+    number or an operator), lowest mean score first, each where at least k tokens are left
+    without it (sentences_first)."""
     sentence = sentence_ids(cot, offsets)
     n = int(sentence.max()) + 1 if len(sentence) else 0
     sizes = np.bincount(sentence, minlength=n)
     means = np.bincount(sentence, weights=scores, minlength=n) / np.maximum(sizes, 1)
     computes = np.zeros(n, bool)
-    for m in EQUATION.finditer(cot):
+    if keep == "facts":
+        computes[np.unique(sentence[fact_tokens(cot, offsets)])] = True
+    for m in EQUATION.finditer(cot) if keep == "equations" else ():
         inside = (offsets[:, 0] < m.end()) & (offsets[:, 1] > m.start())
         computes[np.unique(sentence[inside])] = True
     dropped, left = np.zeros(n, bool), len(sentence)
@@ -242,7 +249,7 @@ def _dropped_sentences(cot: str, offsets: np.ndarray, scores: np.ndarray, k: int
 
 def prune(example: Example, scored, budgets: Sequence[float] = (0.5,), unit: str = "token",
           keep_digits: bool = False, facts_first: bool = False,
-          equations_first: bool = False, sentences_first: bool = False) -> list[Compressed]:
+          equations_first: bool = False, sentences_first: str | None = None) -> list[Compressed]:
     """For each budget γ keep ⌈γ·T⌉ chain tokens with the highest scores, in original order.
 
     A unit (pruning_units) scores the mean of its tokens' scores; units are taken best first
@@ -256,9 +263,9 @@ def prune(example: Example, scored, budgets: Sequence[float] = (0.5,), unit: str
     equations_first takes the units in an equation over numbers (EQUATION: `16 - 3 = 13`)
     first instead: the chain's computations, not every number it restates. sentences_first
     drops whole sentences before cutting into any: the chain's sentences without an equation
-    over numbers go whole, lowest mean score first, each where the budget's tokens are left
-    without it; the budget is then filled from what is left as above (so more of what stays
-    reads as sentences, and a dropped sentence's numbers go with it).
+    over numbers ("equations") or without a number or an operator ("facts") go whole, lowest
+    mean score first, each where the budget's tokens are left without it; the budget is then
+    filled from what is left as above (so more of what stays reads as sentences).
 
     Args:
         example: the example whose chain (`example.cot`) is pruned.
@@ -271,8 +278,9 @@ def prune(example: Example, scored, budgets: Sequence[float] = (0.5,), unit: str
         keep_digits: keep every unit with a digit, whatever its score.
         facts_first: take the units with a number or an operator first, within the budget.
         equations_first: take the units of the chain's equations first, within the budget.
-        sentences_first: drop whole sentences without an equation, lowest mean score first,
-            before cutting into any, as long as the budget's tokens are left.
+        sentences_first: None, or drop whole sentences without an equation ("equations") or
+            without a fact ("facts"), lowest mean score first, before cutting into any, as
+            long as the budget's tokens are left.
 
     Returns:
         One Compressed per budget, in the order of `budgets`.
@@ -314,7 +322,7 @@ def prune(example: Example, scored, budgets: Sequence[float] = (0.5,), unit: str
 def prune_scores(example: Example, scores, offsets, budgets: Sequence[float] = (0.5,),
                  unit: str = "token", keep_digits: bool = False,
                  facts_first: bool = False, equations_first: bool = False,
-                 sentences_first: bool = False) -> list[Compressed]:
+                 sentences_first: str | None = None) -> list[Compressed]:
     """prune() on per-token `scores` [T] and the chain tokens' character `offsets` [T, 2]
     (any scorer's, or scores of one's own).
 
@@ -329,7 +337,7 @@ def prune_scores(example: Example, scores, offsets, budgets: Sequence[float] = (
         One Compressed per budget.
 
     Raises:
-        ValueError: a budget outside (0, 1], or an unknown unit.
+        ValueError: a budget outside (0, 1], an unknown unit or sentences_first.
 
     Examples:
         >>> from mist_core import Example
@@ -356,6 +364,9 @@ def prune_scores(example: Example, scores, offsets, budgets: Sequence[float] = (
     forced = holding(_DIGIT.search) if keep_digits else np.zeros(n_units, bool)
     if facts_first and equations_first:
         raise ValueError("facts_first and equations_first exclude each other")
+    if sentences_first not in (None, False) + SENTENCE_KEEPS:
+        raise ValueError(f"sentences_first must be one of {', '.join(SENTENCE_KEEPS)} or None, "
+                         f"not {sentences_first!r}")
     first = holding(is_fact) if facts_first else None
     if equations_first:
         inside = np.zeros(T, bool)
@@ -367,8 +378,8 @@ def prune_scores(example: Example, scores, offsets, budgets: Sequence[float] = (
         k = budget_tokens(budget, T)
         barred = None
         if sentences_first:
-            barred = np.bincount(units, weights=_dropped_sentences(cot, offsets, scores, k),
-                                 minlength=n_units) > 0
+            dropped = _dropped_sentences(cot, offsets, scores, k, sentences_first)
+            barred = np.bincount(units, weights=dropped, minlength=n_units) > 0
         chosen = _select(unit_scores, sizes, forced, k, first, barred)
         if barred is not None and sizes[chosen].sum() > k:  # what was left had no unit to fit
             chosen = _select(unit_scores, sizes, forced, k, first)

@@ -159,8 +159,10 @@ def check_compatible(cfg: JobConfig, model_name: str, existing: Existing, out: O
         before.setdefault("layer_weights", "signed")  # weights, every unit ranked by score
         before.setdefault("facts_first", False)
         before.setdefault("target", "answer")
-    for key in ("adapter", "columns", "unit", "alpha", "keep_digits", "facts_first", "template",
-                "dtype", "sft_format", "sft_mix", "seed", "layer_weights", "target"):
+        before.setdefault("sentences_first", False)
+    for key in ("adapter", "columns", "unit", "alpha", "keep_digits", "facts_first",
+                "sentences_first", "template", "dtype", "sft_format", "sft_mix", "seed",
+                "layer_weights", "target"):
         if key in ("layer_weights", "target") and key not in OPTIONS.get(cfg.method, ()):
             continue  # MIST's own settings
         if key in before and before[key] != now[key]:

@@ -67,6 +67,10 @@ class JobConfig(Settings, RemoteCode):
                                 "other word, within the budget; the scores pick the words "
                                 "around them (on by default: the models trained on such chains "
                                 "answer better, docs/results/downstream.md)", group="scoring")
+    sentences_first: bool = setting(False, "drop whole sentences without an equation, lowest "
+                                    "mean score first, before cutting into any (as long as the "
+                                    "budget's tokens are left), so more of what stays reads as "
+                                    "sentences", group="scoring")
     batch_size: int = setting(32, "chains per forward pass; a scoring actor takes 8 times as "
                               "many rows per call and packs them by length",
                               group="resources", metavar="N")

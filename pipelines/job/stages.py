@@ -290,7 +290,7 @@ class ScoreActor:
 def prune_batch(batch: pa.Table, *, cfg: JobConfig) -> pa.Table:
     """Scores -> one compressed chain per budget. Score arrays travel on only when the
     scores/ output was asked for. Settings: cfg's budgets, unit, keep_digits, facts_first,
-    scores."""
+    sentences_first, scores."""
     budgets, unit, keep_digits, with_scores = cfg.budgets, cfg.unit, cfg.keep_digits, cfg.scores
     rows = batch.to_pylist()
     for row in rows:
@@ -301,7 +301,7 @@ def prune_batch(batch: pa.Table, *, cfg: JobConfig) -> pa.Table:
             offsets = np.asarray(row["chain_offsets"], np.int64).reshape(-1, 2)
             try:
                 chains = prune_scores(ex, row["scores"], offsets, budgets, unit, keep_digits,
-                                      cfg.facts_first)
+                                      cfg.facts_first, sentences_first=cfg.sentences_first)
             except Exception as e:
                 _reject(row, PRUNE_ERROR, f"{type(e).__name__}: {e}")
                 row["raw"] = json.dumps({"id": row["id"], "question": row["question"],

@@ -52,7 +52,8 @@ METHODS = ("mist", "necessity", "sufficiency", "h2o", "crisp", "perplexity", "go
            "mist_facts", "h2o_facts", "mist_writer", "necessity_writer", "writer_hybrid",
            "mist_writer_facts", "necessity_writer_facts", "writer_hybrid_facts", "mist_eq",
            "h2o_eq", "mist_writer_eq", "necessity_writer_eq", "writer_hybrid_eq",
-           "writer_hybrid_sent", "uniform_sent", "oracle", "oracle_near", "oracle_cue")
+           "writer_hybrid_sent", "writer_hybrid_sentf", "uniform_sent", "oracle", "oracle_near",
+           "oracle_cue")
 # Not scorers: `head` keeps the first tokens (truncation), `tail` the last; `oracle` keeps the
 # generator's ground truth (operands, operators, results) and the equations' `=` first, then
 # random tokens up to ⌈γT⌉: the ceiling for any scorer. `oracle_near` fills with the tokens
@@ -91,7 +92,11 @@ EQUATIONS_OF = {"mist_eq": "mist_clipped", "h2o_eq": "h2o", "mist_writer_eq": "m
 # sentences_first: the sentences without an equation, lowest mean score first), the numbers
 # and operators first in what is left. uniform_sent: random scores, the same rule (what the
 # rule does without a scorer).
-SENTENCES_OF = {"writer_hybrid_sent": "writer_hybrid", "uniform_sent": "uniform"}
+SENTENCES_OF = {"writer_hybrid_sent": "writer_hybrid", "uniform_sent": "uniform",
+                "writer_hybrid_sentf": "writer_hybrid"}
+# sentences_first of each: the sentences without an equation go whole, or (sentf) those
+# without a number or an operator.
+SENTENCE_KEEP = {"writer_hybrid_sentf": "facts"}
 ALPHAS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 ALPHA_SLICE = 60  # Phase 0 chains α is chosen on
 # name -> (method a, method b, w, whether b's scores are taken in log): w·z(a) + (1 − w)·z(b).
@@ -257,7 +262,8 @@ def score_and_prune(lm, chains: list[dict], methods, seed: int, unit: str = "tok
             kept = prune(enc.example, sc, budgets=TRAIN_BUDGETS, unit=UNIT_OF.get(method, unit),
                          facts_first=method in FACTS_OF or method in SENTENCES_OF,
                          equations_first=method in EQUATIONS_OF,
-                         sentences_first=method in SENTENCES_OF)
+                         sentences_first=SENTENCE_KEEP.get(method, "equations")
+                         if method in SENTENCES_OF else None)
             out[enc.example.id] = {c.budget: c.text for c in kept}
             if ok:
                 for c in kept:
@@ -694,8 +700,9 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
         "with the numbers and operators first, `_eq` with the equations first "
         "(`equations_first`): the chain's computations, not the numbers it restates; `_sent` "
         "drops whole sentences first (`sentences_first`: those without an equation, lowest "
-        "mean score first, while the chain is over ⌈γT⌉), then the numbers and operators "
-        "first in what is left; `uniform_sent` does so on random scores.",
+        "mean score first, while ⌈γT⌉ tokens are left), then the numbers and operators "
+        "first in what is left; `_sentf` drops those without a number or an operator instead; "
+        "`uniform_sent` is `_sent` on random scores.",
         f"- Phase 3: greedy answers on {sizes.test} new test questions under each γ (the "
         "controls under 1.0). *Chain tokens*: tokens the model writes before `The answer is`.",
         "- *Precision / recall*: of the chain tokens a method keeps at γ in the Phase 0 corpus "
