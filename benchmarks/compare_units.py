@@ -9,8 +9,8 @@ Arms (method × unit, every budget):
   were made whole; SmolLM2 writes a digit a token, so `16` could become `1`) and at
   mist_core.scoring.prune's `token`, `word` and `equation` units (numbers whole in each);
 - `facts`: the word unit with the numbers and operators taken first (prune's facts_first);
-- `sentences`: `facts` with whole sentences without an equation dropped first (prune's
-  sentences_first);
+- `sent_eq` and `sent_facts`: `facts` with whole sentences dropped first, those without an
+  equation or without a number or an operator (prune's sentences_first);
 - at the job's default unit (`word`): CRISP, MIST with clipped weights and mean ablation,
   and the hybrid 0.5·z(mist clipped) + 0.5·z(log h2o).
 Measures per chain: numbers cut (kept in part), tokens kept, the Eq. 1 drop
@@ -48,7 +48,8 @@ SCORERS = {**{m: VARIANTS[m] for m in ("mist", "mist_clipped", "mist_mean", "mis
 UNIT_METHODS = ("mist", "mist_clipped", "h2o", "mist_writer", "necessity_writer",
                 "writer_hybrid")  # at every unit
 WORD_METHODS = ("crisp", "mist_mean", "hybrid")  # at the job's default unit only
-ALL_UNITS = ("subword",) + UNITS + ("facts", "equations", "sentences")
+SENTENCE_UNITS = {"sent_eq": "equations", "sent_facts": "facts"}  # unit: sentences_first
+ALL_UNITS = ("subword",) + UNITS + ("facts", "equations") + tuple(SENTENCE_UNITS)
 MEASURES = ("numbers_cut", "kept", "drop", "accuracy", "results", "equations")
 PAIRS = [((m, "equation"), (m, "word")) for m in UNIT_METHODS] + \
         [((m, "word"), (m, "token")) for m in UNIT_METHODS] + \
@@ -62,8 +63,8 @@ PAIRS = [((m, "equation"), (m, "word")) for m in UNIT_METHODS] + \
          for m in ("mist_clipped", "h2o")
          for u in ("facts", "word", "equations")] + \
         [((m, "equations"), (m, "facts")) for m in UNIT_METHODS] + \
-        [((m, "sentences"), (m, "facts")) for m in UNIT_METHODS] + \
-        [(("writer_hybrid", "sentences"), ("h2o", u)) for u in ("sentences", "facts")]
+        [((m, u), (m, "facts")) for m in UNIT_METHODS for u in SENTENCE_UNITS] + \
+        [(("writer_hybrid", u), ("h2o", u)) for u in SENTENCE_UNITS]
 
 
 def arms(units, methods=None) -> list[tuple[str, str]]:
@@ -95,12 +96,12 @@ def measure_chain(lm, enc, scores: dict, budgets, arms) -> dict:
         if unit == "subword":
             for g in budgets:
                 masks[f"{method}/{unit}/{g}"] = subword_mask(s, g)
-        else:  # facts, equations, sentences: words, and what each takes first
+        else:  # facts, equations, sent_*: words, and what each takes first or drops whole
             for c in prune_scores(enc.example, s, offsets, budgets,
-                                  "word" if unit in ("facts", "equations", "sentences") else unit,
-                                  facts_first=unit in ("facts", "sentences"),
+                                  unit if unit in UNITS else "word",
+                                  facts_first=unit == "facts" or unit in SENTENCE_UNITS,
                                   equations_first=unit == "equations",
-                                  sentences_first=unit == "sentences"):
+                                  sentences_first=SENTENCE_UNITS.get(unit)):
                 masks[f"{method}/{unit}/{c.budget}"] = c.kept
     ev = evaluate_chain(lm, enc, masks, "gsm8k")
     n_results = ev["_chain"]["results"]
@@ -168,8 +169,9 @@ def render(result: dict, budgets) -> str:
                 "(`facts_first`)." if "facts" in head["units"] else "")
              + (" `equations` is the word unit with the equations taken first "
                 "(`equations_first`)." if "equations" in head["units"] else "")
-             + (" `sentences` is `facts` with whole sentences without an equation dropped "
-                "first (`sentences_first`)." if "sentences" in head["units"] else ""), "",
+             + (" `sent_eq` and `sent_facts` are `facts` with whole sentences dropped first, "
+                "those without an equation or without a number or an operator "
+                "(`sentences_first`)." if set(SENTENCE_UNITS) & set(head["units"]) else ""), "",
              "| method | unit | γ | numbers cut | tokens kept % | Eq. 1 drop, nats | Eq. 1 retention % "
              "| accuracy % | results kept % | equations kept % |", "|---|---|---|---|---|---|---|---|---|---|"]
     for method, unit in arms(head["units"], head.get("methods")):

@@ -160,12 +160,13 @@ def test_a_refresh_keeps_the_layer_weights_of_the_output():
     with pytest.raises(ConfigError, match="target 'answer' vs 'both'"):
         check_compatible(clipped, "m", existing(before), out)
     check_compatible(JobConfig(budgets=[0.5], target="answer"), "m", existing(before), out)
-    # An output from before sentences_first: it was off; a refresh asking for it is refused.
-    with pytest.raises(ConfigError, match="sentences_first False vs True"):
-        check_compatible(JobConfig(budgets=[0.5], sentences_first=True), "m", existing(current),
-                         out)
-    check_compatible(JobConfig(budgets=[0.5], sentences_first=True), "m",
-                     existing({**current, "sentences_first": True}), out)
+    # An output from before sentences_first: it was unset; a refresh asking for it is refused.
+    sentences = JobConfig(budgets=[0.5], sentences_first="facts")
+    with pytest.raises(ConfigError, match="sentences_first None vs 'facts'"):
+        check_compatible(sentences, "m", existing(current), out)
+    check_compatible(sentences, "m", existing({**current, "sentences_first": "facts"}), out)
+    with pytest.raises(ConfigError, match="sentences_first must be one of equations, facts"):
+        JobConfig(budgets=[0.5], sentences_first="words")
 
 
 def test_one_builder_makes_every_registered_scorer(tiny_lm):

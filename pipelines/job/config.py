@@ -7,7 +7,7 @@ from pydantic import field_validator
 
 from mist_core.data.formats import SFT_FORMATS, SFT_MIXES, sft_format_name
 from mist_core.scoring.choices import LAYER_WEIGHTS, OPTIONS, TARGETS
-from mist_core.scoring.prune import UNITS
+from mist_core.scoring.prune import SENTENCE_KEEPS, UNITS
 
 from ..common.errors import ConfigError
 from ..common.settings import DEVICES, RemoteCode, Settings, auto_or, positive, setting, shown
@@ -67,10 +67,11 @@ class JobConfig(Settings, RemoteCode):
                                 "other word, within the budget; the scores pick the words "
                                 "around them (on by default: the models trained on such chains "
                                 "answer better, docs/results/downstream.md)", group="scoring")
-    sentences_first: bool = setting(False, "drop whole sentences without an equation, lowest "
-                                    "mean score first, before cutting into any (as long as the "
-                                    "budget's tokens are left), so more of what stays reads as "
-                                    "sentences", group="scoring")
+    sentences_first: str | None = setting(
+        None, "drop whole sentences before cutting into any (while the budget's tokens are "
+        "left, lowest mean score first): those without an equation (equations) or without a "
+        "number or an operator (facts). Unset: every unit ranked on its own",
+        group="scoring", choices=SENTENCE_KEEPS, shown="")
     batch_size: int = setting(32, "chains per forward pass; a scoring actor takes 8 times as "
                               "many rows per call and packs them by length",
                               group="resources", metavar="N")
