@@ -230,3 +230,34 @@ def test_every_command_help_comes_from_its_settings(capsys):
         assert dests == set(kind.model_fields), command
         checked.add(command)
     assert checked == set(cli.COMMANDS)
+
+
+def test_the_prune_stage_prunes_as_the_settings_say():
+    """The job's prune stage passes unit, facts_first and sentences_first to the pruning: its
+    chains are prune_scores' with the same settings (a filler sentence goes whole with
+    --sentences-first facts, and is cut into without it)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from mist_core import Example
+    from mist_core.scoring.prune import prune_scores
+    from pipelines.job.stages import OK, STREAM_SCHEMA, prune_batch
+
+    cot = "Ann has 3 apples. The apples are red and very nice. She buys 4, so 3 + 4 = 7."
+    offsets = np.array([m.span() for m in __import__("re").finditer(r"\s*\S+", cot)])
+    words = [cot[a:b].strip() for a, b in offsets]
+    # the filler sentence low but for its last word, the highest of the chain
+    scores = np.array([3.0 if w == "nice." else -1.0 if 4 <= i < 11 else 0.5
+                       for i, w in enumerate(words)])
+    row = {"input": 0, "source": "s", "row": 0, "status": OK, "id": "a", "question": "q?",
+           "cot": cot, "answer": "7", "scores": scores.tolist(),
+           "chain_offsets": offsets.reshape(-1).tolist()}
+    ex = Example("q?", cot, "7", id="a")
+    for kw in ({}, {"sentences_first": "facts"}, {"sentences_first": "facts", "unit": "token"}):
+        cfg = JobConfig(budgets=[0.5, 0.8], **kw)
+        out = prune_batch(pa.Table.from_pylist([row], schema=STREAM_SCHEMA), cfg=cfg).to_pylist()[0]
+        want = prune_scores(ex, scores, offsets, [0.5, 0.8], cfg.unit, cfg.keep_digits,
+                            cfg.facts_first, sentences_first=cfg.sentences_first)
+        assert out["compressed"] == [c.text for c in want]
+        assert out["kept_tokens"] == [c.kept_tokens for c in want]
+        assert ("nice." in out["compressed"][0]) == (not kw)
