@@ -187,6 +187,14 @@ def test_sentences_first_drops_whole_sentences_before_cutting_into_one():
     assert c.text.startswith("Dan has 9")
     with pytest.raises(ValueError, match="sentences_first"):
         prune(ex, scored, budgets=[0.5], sentences_first="words")
+    # an equation is a sentence's `=`, as real chains write them (units, `x`, `.5`)
+    cot = "So 4 * 20 sheep = 80 sheep. Nice sheep. He drives 2-.5=1.5 hours. Then $10 x 2 = $20."
+    offsets = _word_offsets(cot)
+    sentence = sentence_ids(cot, offsets)
+    scores = np.where(sentence == 1, 5.0, 0.0) + np.linspace(0, 0.1, len(offsets))
+    scored = SimpleNamespace(scores=scores, chain_offsets=offsets)
+    [c] = prune(Example("q?", cot, "20"), scored, budgets=[0.8], sentences_first="equations")
+    assert "Nice" not in c.text and "80 sheep" in c.text and "2-.5=1.5" in c.text
 
 
 @settings(max_examples=60, deadline=None)

@@ -23,8 +23,9 @@ UNITS = ("token", "word", "equation")
 # A sentence: text up to and including its end (`.`, `!` or `?` before whitespace or the
 # chain's end, or a line break). A decimal point (`3.75`) ends none.
 SENTENCE = re.compile(r"[^\n]*?(?:[.!?]+(?=\s|$)|\n|$)")
-# What a sentence must hold not to be dropped whole by sentences_first: an equation over
-# numbers, or a fact (a number or an operator).
+# What a sentence must hold not to be dropped whole by sentences_first: an equation (an `=`:
+# real chains write `4 * 20 sheep = 80 sheep`, `$10 x 1.2 = $12`, `30*.5=15`, which EQUATION
+# misses), or a fact (a number or an operator).
 SENTENCE_KEEPS = ("equations", "facts")
 # An arithmetic operator standing alone (a token's or a word's whole text): with the numbers,
 # the facts facts_first keeps ahead of the words around them.
@@ -226,19 +227,17 @@ def _select(unit_scores: np.ndarray, unit_sizes: np.ndarray, forced: np.ndarray,
 def _dropped_sentences(cot: str, offsets: np.ndarray, scores: np.ndarray, k: int,
                        keep: str) -> np.ndarray:
     """bool [T]: the tokens of the sentences dropped whole on the way to k tokens: sentences
-    without an equation over numbers (keep "equations") or without a fact (keep "facts": a
-    number or an operator), lowest mean score first, each where at least k tokens are left
-    without it (sentences_first)."""
+    without an equation (keep "equations": an `=`) or without a fact (keep "facts": a number
+    or an operator), lowest mean score first, each where at least k tokens are left without
+    it (sentences_first)."""
     sentence = sentence_ids(cot, offsets)
     n = int(sentence.max()) + 1 if len(sentence) else 0
     sizes = np.bincount(sentence, minlength=n)
     means = np.bincount(sentence, weights=scores, minlength=n) / np.maximum(sizes, 1)
     computes = np.zeros(n, bool)
-    if keep == "facts":
-        computes[np.unique(sentence[fact_tokens(cot, offsets)])] = True
-    for m in EQUATION.finditer(cot) if keep == "equations" else ():
-        inside = (offsets[:, 0] < m.end()) & (offsets[:, 1] > m.start())
-        computes[np.unique(sentence[inside])] = True
+    holds = (fact_tokens(cot, offsets) if keep == "facts"
+             else np.array([("=" in cot[a:b]) for a, b in offsets], dtype=bool))
+    computes[np.unique(sentence[holds])] = True
     dropped, left = np.zeros(n, bool), len(sentence)
     for s in np.lexsort((np.arange(n), means)):
         if sizes[s] and not computes[s] and left - sizes[s] >= k:
@@ -263,7 +262,7 @@ def prune(example: Example, scored, budgets: Sequence[float] = (0.5,), unit: str
     equations_first takes the units in an equation over numbers (EQUATION: `16 - 3 = 13`)
     first instead: the chain's computations, not every number it restates. sentences_first
     drops whole sentences before cutting into any: the chain's sentences without an equation
-    over numbers ("equations") or without a number or an operator ("facts") go whole, lowest
+    (an `=`: "equations") or without a number or an operator ("facts") go whole, lowest
     mean score first, each where the budget's tokens are left without it; the budget is then
     filled from what is left as above (so more of what stays reads as sentences).
 
@@ -278,9 +277,9 @@ def prune(example: Example, scored, budgets: Sequence[float] = (0.5,), unit: str
         keep_digits: keep every unit with a digit, whatever its score.
         facts_first: take the units with a number or an operator first, within the budget.
         equations_first: take the units of the chain's equations first, within the budget.
-        sentences_first: None, or drop whole sentences without an equation ("equations") or
-            without a fact ("facts"), lowest mean score first, before cutting into any, as
-            long as the budget's tokens are left.
+        sentences_first: None, or drop whole sentences without an equation (an `=`,
+            "equations") or without a fact ("facts"), lowest mean score first, before
+            cutting into any, as long as the budget's tokens are left.
 
     Returns:
         One Compressed per budget, in the order of `budgets`.
