@@ -106,8 +106,9 @@ ALPHA_SLICE = 60  # Phase 0 chains α is chosen on
 HYBRIDS = {"hybrid": ("mist_clipped", "h2o", 0.5, True)}
 CONTROLS = ("full_chain", "no_chain", "shortest_of_k")
 # The arm of the project's default method (MistScorer's and `mist compress`'s defaults:
-# clipped layer weights, target "both", the numbers and operators kept first).
-DEFAULT_ARM = "writer_hybrid_facts"
+# clipped layer weights, target "both", the sentences without an equation dropped first, then
+# the numbers and operators kept first).
+DEFAULT_ARM = "writer_hybrid_sent"
 TRAIN_BUDGETS = (0.5, 0.7)  # the pruned budgets of the mixture; 1.0 (the full chain) joins them
 EVAL_BUDGETS = (0.5, 0.7, 1.0)
 STYLE = "gsm8k"  # numeric answers: answers.answer_correct compares numbers
