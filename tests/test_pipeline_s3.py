@@ -171,7 +171,7 @@ def test_end_to_end_s3_then_refresh(s3, local_ray, model_dir, tokenizer, capfd):
         assert "".join(s["tokens"]) == ex.cot
         again = prune(ex, SimpleNamespace(scores=s["scores"], chain_offsets=enc.chain_offsets),
                       budgets=[row["budget"]], unit="token",
-                      facts_first=True)[0]  # the job's default
+                      facts_first=True, sentences_first="equations")[0]  # the job's defaults
         assert row["compressed_cot"] == again.text and again.kept_tokens == row["kept_tokens"]
 
     # rejects/: every unusable row, where it was, why, and what it said

@@ -132,15 +132,18 @@ def test_a_refresh_keeps_the_layer_weights_of_the_output():
         return SimpleNamespace(methods={"mist"}, models={"m"}, budgets={0.5},
                                manifest={"config": config})
 
-    current = {"layer_weights": "clipped", "facts_first": True, "target": "both"}  # defaults
+    current = {"layer_weights": "clipped", "facts_first": True, "target": "both",
+               "sentences_first": "equations"}  # the defaults
     clipped = JobConfig(budgets=[0.5])
     with pytest.raises(ConfigError, match="layer_weights 'signed' vs 'clipped'"):
         check_compatible(clipped, "m", existing({"unit": "word"}), out)
     check_compatible(clipped, "m", existing(current), out)
     check_compatible(JobConfig(budgets=[0.5], layer_weights="signed", facts_first=False,
-                               target="answer"), "m", existing({"unit": "word"}), out)
+                               target="answer", sentences_first="none"), "m",
+                     existing({"unit": "word"}), out)
     h2o = SimpleNamespace(methods={"h2o"}, models={"m"}, budgets={0.5},
-                          manifest={"config": {"layer_weights": "signed", "facts_first": True}})
+                          manifest={"config": {"layer_weights": "signed", "facts_first": True,
+                                               "sentences_first": "equations"}})
     check_compatible(JobConfig(budgets=[0.5], method="h2o"), "m", h2o, out)  # not h2o's setting
     empty = SimpleNamespace(methods=set(), models=set(), budgets=set(), manifest=None)
     check_compatible(clipped, "m", empty, out)  # a new output takes any
@@ -159,13 +162,22 @@ def test_a_refresh_keeps_the_layer_weights_of_the_output():
     assert clipped.target == "both"
     with pytest.raises(ConfigError, match="target 'answer' vs 'both'"):
         check_compatible(clipped, "m", existing(before), out)
-    check_compatible(JobConfig(budgets=[0.5], target="answer"), "m", existing(before), out)
-    # An output from before sentences_first: it was unset; a refresh asking for it is refused.
-    sentences = JobConfig(budgets=[0.5], sentences_first="facts")
-    with pytest.raises(ConfigError, match="sentences_first None vs 'facts'"):
-        check_compatible(sentences, "m", existing(current), out)
-    check_compatible(sentences, "m", existing({**current, "sentences_first": "facts"}), out)
-    with pytest.raises(ConfigError, match="sentences_first must be one of equations, facts"):
+    check_compatible(JobConfig(budgets=[0.5], target="answer", sentences_first="none"), "m",
+                     existing(before), out)
+    # An output from before sentences_first ranked every unit on its own: none.
+    sentences = JobConfig(budgets=[0.5])
+    assert sentences.sentences_first == "equations"
+    unset = {k: v for k, v in current.items() if k != "sentences_first"}
+    for old in (unset, {**unset, "sentences_first": None}):
+        with pytest.raises(ConfigError, match="sentences_first 'none' vs 'equations'"):
+            check_compatible(sentences, "m", existing(old), out)
+        check_compatible(JobConfig(budgets=[0.5], sentences_first="none"), "m", existing(old),
+                         out)
+    check_compatible(sentences, "m", existing(current), out)
+    with pytest.raises(ConfigError, match="sentences_first 'equations' vs 'facts'"):
+        check_compatible(JobConfig(budgets=[0.5], sentences_first="facts"), "m",
+                         existing(current), out)
+    with pytest.raises(ConfigError, match="sentences_first must be one of equations, facts, none"):
         JobConfig(budgets=[0.5], sentences_first="words")
 
 
@@ -234,8 +246,8 @@ def test_every_command_help_comes_from_its_settings(capsys):
 
 def test_the_prune_stage_prunes_as_the_settings_say():
     """The job's prune stage passes unit, facts_first and sentences_first to the pruning: its
-    chains are prune_scores' with the same settings (a filler sentence goes whole with
-    --sentences-first facts, and is cut into without it)."""
+    chains are prune_scores' with the same settings (a filler sentence goes whole by default
+    and with --sentences-first facts, and is cut into with none)."""
     import numpy as np
     import pyarrow as pa
 
@@ -253,11 +265,12 @@ def test_the_prune_stage_prunes_as_the_settings_say():
            "cot": cot, "answer": "7", "scores": scores.tolist(),
            "chain_offsets": offsets.reshape(-1).tolist()}
     ex = Example("q?", cot, "7", id="a")
-    for kw in ({}, {"sentences_first": "facts"}, {"sentences_first": "facts", "unit": "token"}):
+    for kw in ({"sentences_first": "none"}, {}, {"sentences_first": "facts"},
+               {"sentences_first": "facts", "unit": "token"}):
         cfg = JobConfig(budgets=[0.5, 0.8], **kw)
         out = prune_batch(pa.Table.from_pylist([row], schema=STREAM_SCHEMA), cfg=cfg).to_pylist()[0]
         want = prune_scores(ex, scores, offsets, [0.5, 0.8], cfg.unit, cfg.keep_digits,
-                            cfg.facts_first, sentences_first=cfg.sentences_first)
+                            cfg.facts_first, sentences_first=cfg.sentence_rule)
         assert out["compressed"] == [c.text for c in want]
         assert out["kept_tokens"] == [c.kept_tokens for c in want]
-        assert ("nice." in out["compressed"][0]) == (not kw)
+        assert ("nice." in out["compressed"][0]) == (cfg.sentences_first == "none")

@@ -174,9 +174,7 @@ class Kit(BaseModel):
         for name, info in type(self).model_fields.items():
             allowed = _choices(info)
             value = getattr(self, name)
-            # None is allowed where it is the default: a choice that is off unless asked for
-            if allowed is not None and value not in allowed and not (
-                    value is None and info.default is None):
+            if allowed is not None and value not in allowed:
                 raise ConfigError(f"{name} must be one of {', '.join(map(str, allowed))}, "
                                   f"not {shown(value)}")
         self._check()

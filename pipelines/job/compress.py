@@ -159,7 +159,8 @@ def check_compatible(cfg: JobConfig, model_name: str, existing: Existing, out: O
         before.setdefault("layer_weights", "signed")  # weights, every unit ranked by score
         before.setdefault("facts_first", False)
         before.setdefault("target", "answer")
-        before.setdefault("sentences_first", None)
+        if before.get("sentences_first") is None:  # every unit ranked on its own
+            before["sentences_first"] = "none"
     for key in ("adapter", "columns", "unit", "alpha", "keep_digits", "facts_first",
                 "sentences_first", "template", "dtype", "sft_format", "sft_mix", "seed",
                 "layer_weights", "target"):

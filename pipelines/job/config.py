@@ -67,11 +67,12 @@ class JobConfig(Settings, RemoteCode):
                                 "other word, within the budget; the scores pick the words "
                                 "around them (on by default: the models trained on such chains "
                                 "answer better, docs/results/downstream.md)", group="scoring")
-    sentences_first: str | None = setting(
-        None, "drop whole sentences before cutting into any (while the budget's tokens are "
-        "left, lowest mean score first): those without an equation (equations) or without a "
-        "number or an operator (facts). Unset: every unit ranked on its own",
-        group="scoring", choices=SENTENCE_KEEPS, shown="")
+    sentences_first: str = setting(
+        "equations", "drop whole sentences before cutting into any (while the budget's tokens "
+        "are left, lowest mean score first): those without an equation, an `=` (equations, "
+        "the default: the models trained on such chains answer better, "
+        "docs/results/sentences/downstream.md), those without a number or an operator "
+        "(facts), or none", group="scoring", choices=SENTENCE_KEEPS + ("none",), shown="")
     batch_size: int = setting(32, "chains per forward pass; a scoring actor takes 8 times as "
                               "many rows per call and packs them by length",
                               group="resources", metavar="N")
@@ -139,6 +140,11 @@ class JobConfig(Settings, RemoteCode):
                        max_memory="auto" if self.max_memory is None else self.max_memory,
                        **{k: getattr(self, k) for k in ("alpha", "layer_weights", "target")
                           if k in taken})
+
+    @property
+    def sentence_rule(self) -> str | None:
+        """sentences_first as mist_core.scoring.prune takes it: None for none."""
+        return None if self.sentences_first == "none" else self.sentences_first
 
     def _check_more(self) -> None:
         for key in ("layer_weights", "target"):

@@ -301,7 +301,7 @@ def prune_batch(batch: pa.Table, *, cfg: JobConfig) -> pa.Table:
             offsets = np.asarray(row["chain_offsets"], np.int64).reshape(-1, 2)
             try:
                 chains = prune_scores(ex, row["scores"], offsets, budgets, unit, keep_digits,
-                                      cfg.facts_first, sentences_first=cfg.sentences_first)
+                                      cfg.facts_first, sentences_first=cfg.sentence_rule)
             except Exception as e:
                 _reject(row, PRUNE_ERROR, f"{type(e).__name__}: {e}")
                 row["raw"] = json.dumps({"id": row["id"], "question": row["question"],
