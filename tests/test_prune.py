@@ -197,6 +197,15 @@ def test_sentences_first_drops_whole_sentences_before_cutting_into_one():
     assert "Nice" not in c.text and "80 sheep" in c.text and "2-.5=1.5" in c.text
 
 
+def _random_chain(pieces, seed):
+    """A chain of the given pieces, one token each, with random scores."""
+    cot = "".join(pieces)
+    offsets = np.cumsum([0] + [len(p) for p in pieces])
+    offsets = np.stack([offsets[:-1], offsets[1:]], 1)
+    scores = np.random.default_rng(seed).normal(size=len(pieces))
+    return cot, offsets, SimpleNamespace(scores=scores, chain_offsets=offsets)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.text(alphabet="ab12 .,=+\n", min_size=1, max_size=4), min_size=1, max_size=30),
        st.floats(0.01, 1.0), st.sampled_from(UNITS), st.integers(0, 2**31),
@@ -205,13 +214,9 @@ def test_sentences_first_on_random_chains(pieces, budget, unit, seed, keep):
     """Within the budget as without it, numbers whole, original text; at token level with
     no multi-token unit as many tokens kept as without it (dropping a sentence whole never
     leaves fewer than the budget)."""
-    cot = "".join(pieces)
+    cot, offsets, scored = _random_chain(pieces, seed)
     if not cot.strip():
         return
-    offsets = np.cumsum([0] + [len(p) for p in pieces])
-    offsets = np.stack([offsets[:-1], offsets[1:]], 1)
-    scores = np.random.default_rng(seed).normal(size=len(pieces))
-    scored = SimpleNamespace(scores=scores, chain_offsets=offsets)
     [c] = prune(Example("q", cot, "a"), scored, [budget], unit=unit, sentences_first=keep,
                 facts_first=seed % 2 == 0)
     [plain] = prune(Example("q", cot, "a"), scored, [budget], unit=unit)
@@ -232,14 +237,10 @@ def test_facts_first_on_random_chains(pieces, budget, unit, seed, first):
     """Within the budget as without it; no unit without a fact (with equations_first: a
     piece of an equation) is kept while a fact unit that would have fitted in its place is
     dropped; numbers stay whole."""
-    cot = "".join(pieces)
+    cot, offsets, scored = _random_chain(pieces, seed)
     if not cot.strip():
         return
-    offsets = np.cumsum([0] + [len(p) for p in pieces])
-    offsets = np.stack([offsets[:-1], offsets[1:]], 1)
-    scores = np.random.default_rng(seed).normal(size=len(pieces))
     ex = Example("q", cot, "a")
-    scored = SimpleNamespace(scores=scores, chain_offsets=offsets)
     [c] = prune(ex, scored, [budget], unit=unit, facts_first=first == "facts",
                 equations_first=first == "equations")
     [plain] = prune(ex, scored, [budget], unit=unit)
