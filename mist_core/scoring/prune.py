@@ -383,6 +383,6 @@ def prune_scores(example: Example, scores, offsets, budgets: Sequence[float] = (
         if barred is not None and sizes[chosen].sum() > k:  # what was left had no unit to fit
             chosen = _select(unit_scores, sizes, forced, k, first)
         kept = chosen[units]
-        text = "".join(p for p, k in zip(pieces, kept) if k).strip()
+        text = "".join(p for p, keep in zip(pieces, kept) if keep).strip()
         out.append(Compressed(budget=float(budget), kept=kept, text=text))
     return out
