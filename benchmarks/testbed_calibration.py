@@ -15,37 +15,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pipelines.loop.testbed import t_interval  # noqa: E402
+from pipelines.loop.testbed import ORACLES, meets_bar, oracle_shares  # noqa: E402
 
 
 READING = "## Reading"
-# the ceiling arms: random fill, the nearest tokens, and with the writer's cues
-ORACLES = ("oracle", "oracle_near", "oracle_cue")
 
 
 def recipe(sizes: dict) -> str:
     return f"mix {sizes.get('mix', 'sample')}, {sizes['ft_epochs']:g} epochs, lr {sizes['ft_lr']:g}, " \
            f"unit {sizes.get('unit', 'token')}, corpus {sizes.get('phase0', 1000)}"
-
-
-def rows(run: dict, arm: str = "oracle") -> dict:
-    """Per γ: the oracle's accuracy share of the full-chain control, its chain-token share,
-    and the mixture's cost at 1.0, as (mean, half-width) over the run's seeds."""
-    out = {}
-    seeds = [s for s in run["seeds"].values() if arm in s.get("arms", {})]
-    for g in ("0.5", "0.7", "1.0"):
-        acc, tok, full_acc = [], [], []
-        for s in seeds:
-            full = s["arms"]["full_chain"]["budgets"]["1.0"]
-            got = s["arms"][arm]["budgets"].get(g)
-            if got is None:
-                continue
-            acc.append(got["accuracy"] / full["accuracy"])
-            tok.append(got["chain_tokens"] / full["chain_tokens"])
-            full_acc.append(got["accuracy"] - full["accuracy"])
-        out[g] = {"acc_share": t_interval(acc), "token_share": t_interval(tok),
-                  "vs_full": t_interval(full_acc), "seeds": len(acc)}
-    return out
 
 
 def fmt(mi, scale=100.0) -> str:
@@ -66,11 +44,10 @@ def main(argv=None) -> int:
     for folder in a.runs:
         run = json.loads((Path(folder) / "testbed.json").read_text())
         for arm in ORACLES:
-            r = rows(run, arm)
+            r = oracle_shares(run["seeds"], arm)
             if not r["0.5"]["seeds"]:
                 continue
-            met = (r["0.5"]["acc_share"][0] >= 0.9 and r["0.5"]["token_share"][0] <= 0.6
-                   and (r["1.0"]["seeds"] == 0 or r["1.0"]["vs_full"][0] >= -0.03))
+            met = meets_bar(r)
             lines.append(f"| {recipe(run['sizes'])} | {arm} | {r['0.5']['seeds']} | {fmt(r['0.5']['acc_share'])}% | "
                          f"{fmt(r['0.5']['token_share'])}% | {fmt(r['0.7']['acc_share'])}% | "
                          f"{fmt(r['0.7']['token_share'])}% | {fmt(r['1.0']['vs_full'])} | "

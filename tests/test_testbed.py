@@ -395,6 +395,18 @@ def test_the_default_arm_against_the_others_and_the_line(tmp_path):
     assert "| shortest_of_k | 4.0 ± 8.2 | tie |" in md  # −0.02 + 0.04·i: the interval spans 0
     assert f"| {DEFAULT_ARM} | 0.5 | 16.5 ± 2.1 | ahead |" in md
     assert "| h2o | 0.5 | -2.0 ± 4.1 | tie |" in md
+    assert "Calibration" not in md  # no ceiling ran
+    for i, sd in seeds.items():  # a ceiling at 0.72 and 0.76 of 0.8, 20 of 40 tokens
+        sd["arms"]["oracle_cue"] = arm(0.72 + 0.04 * (i % 2), 20.0)
+        sd["arms"]["oracle_cue"]["budgets"]["1.0"]["accuracy"] = 0.8  # one model per γ
+        sd["kept"]["oracle_cue"] = kept
+    md = render(seeds, [DEFAULT_ARM, "h2o", "oracle_cue"], Sizes(), "mist testbed", "")
+    # shares 0.90 and 0.95 of the control: mean 92.5, t(3)·sd/2 = 3.182 · 0.0289 / 2 = 4.6
+    assert "| oracle_cue | 92.5 ± 4.6% | 50.0 ± 0.0% | 93.8 ± 4.6% | 50.0 ± 0.0% | yes |" in md
+    for sd in seeds.values():
+        sd["arms"]["oracle_cue"]["budgets"]["0.5"]["chain_tokens"] = 26.0  # 65% of 40: too long
+    md = render(seeds, [DEFAULT_ARM, "h2o", "oracle_cue"], Sizes(), "mist testbed", "")
+    assert "| 65.0 ± 0.0% | 93.8 ± 4.6% | 50.0 ± 0.0% | no |" in md
     plot(seeds, [DEFAULT_ARM, "h2o"], tmp_path / "downstream.png")
     assert (tmp_path / "downstream.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -105,6 +105,8 @@ ALPHA_SLICE = 60  # Phase 0 chains α is chosen on
 # scorer: MistScorer's target "both", VARIANTS.)
 HYBRIDS = {"hybrid": ("mist_clipped", "h2o", 0.5, True)}
 CONTROLS = ("full_chain", "no_chain", "shortest_of_k")
+# the ceilings: random fill, the nearest tokens, and with the writer's cues
+ORACLES = ("oracle", "oracle_near", "oracle_cue")
 # The arm of the project's default method (MistScorer's and `mist compress`'s defaults:
 # clipped layer weights, target "both", the sentences without an equation dropped first, then
 # the numbers and operators kept first).
@@ -584,6 +586,36 @@ def line_margin(seed: dict, arm: str, g: float) -> float | None:
     return got["accuracy"] - (none["accuracy"] + (full["accuracy"] - none["accuracy"]) * share)
 
 
+def oracle_shares(seeds: dict, arm: str) -> dict:
+    """Per γ: the arm's accuracy share of the full-chain control, its chain-token share, and
+    its accuracy minus the control's (the mixture's cost at 1.0), each (mean, half-width)
+    over the seeds that ran the arm; keys "0.5", "0.7", "1.0", and "seeds"."""
+    out = {}
+    runs = [s for s in seeds.values() if arm in s.get("arms", {})]
+    for g in ("0.5", "0.7", "1.0"):
+        acc, tok, diff = [], [], []
+        for s in runs:
+            full = s["arms"]["full_chain"]["budgets"]["1.0"]
+            got = s["arms"][arm]["budgets"].get(g)
+            if got is None:
+                continue
+            acc.append(got["accuracy"] / full["accuracy"])
+            tok.append(got["chain_tokens"] / full["chain_tokens"])
+            diff.append(got["accuracy"] - full["accuracy"])
+        out[g] = {"acc_share": t_interval(acc), "token_share": t_interval(tok),
+                  "vs_full": t_interval(diff), "seeds": len(acc)}
+    return out
+
+
+def meets_bar(shares: dict) -> bool:
+    """Issue 29's calibration bar: at γ = 0.5 the ceiling keeps ≥ 90% of the full-chain
+    control's accuracy writing ≤ 60% of its chain tokens, and the mixture costs ≤ 3 points
+    at 1.0 (0 by construction with one model per γ)."""
+    half, full = shares["0.5"], shares["1.0"]
+    return (half["acc_share"][0] >= 0.9 and half["token_share"][0] <= 0.6
+            and (full["seeds"] == 0 or full["vs_full"][0] >= -0.03))
+
+
 def ahead(mi) -> str:
     """'ahead' / 'behind' where the 95% interval excludes 0, else 'tie'."""
     m, h = mi
@@ -753,6 +785,22 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
             if margins:
                 mi = t_interval(margins)
                 lines.append(f"| {arm} | {g:g} | {_fmt(mi, 100)} | {ahead(mi)} |")
+    calibrated = [a for a in ORACLES if a in methods]
+    if calibrated:
+        lines += ["", "### Calibration: does the ceiling clear the bar?", "",
+                  "The oracle's accuracy and chain tokens as shares of the full-chain control's "
+                  "(per seed, then mean ± 95% interval). The bar: ≥ 90% of the accuracy at "
+                  "γ = 0.5 with ≤ 60% of the chain tokens, and ≤ 3 points lost at γ = 1.0 (0 by "
+                  "construction with one model per γ). Earlier recipes: "
+                  "[calibration.md](calibration.md).", "",
+                  "| arm | accuracy / full-chain, γ = 0.5 | chain tokens / full-chain, 0.5 | "
+                  "accuracy / full, 0.7 | tokens / full, 0.7 | bar met |",
+                  "|---|---|---|---|---|---|"]
+        for arm in calibrated:
+            r = oracle_shares(seeds, arm)
+            lines.append(f"| {arm} | {_fmt(r['0.5']['acc_share'], 100)}% | "
+                         f"{_fmt(r['0.5']['token_share'], 100)}% | {_fmt(r['0.7']['acc_share'], 100)}% | "
+                         f"{_fmt(r['0.7']['token_share'], 100)}% | {'yes' if meets_bar(r) else 'no'} |")
     lines += ["", "![accuracy against chain tokens](downstream.png)"]
     pairs = ([(v, base) for v, (base, _) in VARIANTS.items()] + list(FACTS_OF.items())
              + [(v, b + "_facts") for v, b in SENTENCES_OF.items()])
