@@ -294,7 +294,8 @@ def test_sentence_arms_drop_whole_sentences(problems, word_tokenizer):
 
     lm = wrap_model(tiny_llama(word_tokenizer, layers=2, hidden=32), word_tokenizer, "t")
     chains = [{**p.row(), "source_id": p.id} for p in problems[:4]]
-    compressed, kept = score_and_prune(lm, chains, ["writer_hybrid_sent", "uniform_sent"], seed=0)
+    compressed, kept = score_and_prune(lm, chains, ["writer_hybrid_sent", "uniform_sent", "oracle_sent"],
+                                       seed=0)
     uniform, _ = _scored_alone("uniform", lm, chains)
     for c, u in zip(chains, uniform):
         ex = Example(c["question"], c["cot"], c["answer"], id=c["id"])
@@ -302,9 +303,12 @@ def test_sentence_arms_drop_whole_sentences(problems, word_tokenizer):
             [want] = prune(ex, u, budgets=[g], sentences_first="equations", facts_first=True)
             assert compressed["uniform_sent"][c["id"]][g] == want.text
             assert want.kept_tokens == budget_tokens(g, len(u.scores))
-            text = compressed["writer_hybrid_sent"][c["id"]][g]
-            assert len(STEP.findall(text)) == len(STEP.findall(c["cot"]))
+            for arm in ("writer_hybrid_sent", "oracle_sent"):
+                text = compressed[arm][c["id"]][g]
+                assert len(STEP.findall(text)) == len(STEP.findall(c["cot"])), (arm, text)
     assert kept["writer_hybrid_sent"]["0.5"]["recall"] > 0.9
+    # the ceiling under the rule keeps every ground-truth token and `=`
+    assert kept["oracle_sent"]["0.5"]["recall"] == 1.0 and kept["oracle_sent"]["0.5"]["equals"] == 1.0
 
 
 def test_a_stored_seed_is_not_scored_again(tmp_path, monkeypatch):

@@ -53,7 +53,7 @@ METHODS = ("mist", "necessity", "sufficiency", "h2o", "crisp", "perplexity", "go
            "mist_writer_facts", "necessity_writer_facts", "writer_hybrid_facts", "mist_eq",
            "h2o_eq", "mist_writer_eq", "necessity_writer_eq", "writer_hybrid_eq",
            "writer_hybrid_sent", "writer_hybrid_sentf", "uniform_sent", "oracle", "oracle_near",
-           "oracle_cue")
+           "oracle_cue", "oracle_sent")
 # Not scorers: `head` keeps the first tokens (truncation), `tail` the last; `oracle` keeps the
 # generator's ground truth (operands, operators, results) and the equations' `=` first, then
 # random tokens up to ⌈γT⌉: the ceiling for any scorer. `oracle_near` fills with the tokens
@@ -61,6 +61,8 @@ METHODS = ("mist", "necessity", "sufficiency", "h2o", "crisp", "perplexity", "go
 # dropping the filler and distractor sentences first. `oracle_cue` is oracle_near with each
 # step's cue verb (`loses`, `doubles`: what points the writer at the question's next
 # sentence) in the ground truth too: the ceiling for a writer rather than a reader.
+# `oracle_sent` prunes oracle_cue's scores with the sentence rule (SENTENCES_OF): the ceiling
+# for a scorer under the job's default pruning.
 POSITIONAL = ("head", "tail")
 # Variants beyond the paper (issue: keep one only where it wins here and on the GSM8K/MATH
 # proxies): name -> (scorer, its options).
@@ -91,9 +93,9 @@ EQUATIONS_OF = {"mist_eq": "mist_clipped", "h2o_eq": "h2o", "mist_writer_eq": "m
 # Another method's scores, pruned with whole sentences dropped first (prune's
 # sentences_first: the sentences without an equation, lowest mean score first), the numbers
 # and operators first in what is left. uniform_sent: random scores, the same rule (what the
-# rule does without a scorer).
+# rule does without a scorer); oracle_sent: the writer's ceiling, the same rule.
 SENTENCES_OF = {"writer_hybrid_sent": "writer_hybrid", "uniform_sent": "uniform",
-                "writer_hybrid_sentf": "writer_hybrid"}
+                "writer_hybrid_sentf": "writer_hybrid", "oracle_sent": "oracle_cue"}
 # sentences_first of each: the sentences without an equation go whole, or (sentf) those
 # without a number or an operator.
 SENTENCE_KEEP = {"writer_hybrid_sentf": "facts"}
@@ -105,8 +107,9 @@ ALPHA_SLICE = 60  # Phase 0 chains α is chosen on
 # scorer: MistScorer's target "both", VARIANTS.)
 HYBRIDS = {"hybrid": ("mist_clipped", "h2o", 0.5, True)}
 CONTROLS = ("full_chain", "no_chain", "shortest_of_k")
-# the ceilings: random fill, the nearest tokens, and with the writer's cues
-ORACLES = ("oracle", "oracle_near", "oracle_cue")
+# the ceilings: random fill, the nearest tokens, with the writer's cues, and those under the
+# sentence rule
+ORACLES = ("oracle", "oracle_near", "oracle_cue", "oracle_sent")
 # The arm of the project's default method (MistScorer's and `mist compress`'s defaults:
 # clipped layer weights, target "both", the sentences without an equation dropped first, then
 # the numbers and operators kept first).
@@ -735,7 +738,8 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
         "drops whole sentences first (`sentences_first`: those without an equation, lowest "
         "mean score first, while ⌈γT⌉ tokens are left), then the numbers and operators "
         "first in what is left; `_sentf` drops those without a number or an operator instead; "
-        "`uniform_sent` is `_sent` on random scores.",
+        "`uniform_sent` is `_sent` on random scores, `oracle_sent` on oracle_cue's (the "
+        "ceiling under the sentence rule).",
         f"- Phase 3: greedy answers on {sizes.test} new test questions under each γ (the "
         "controls under 1.0). *Chain tokens*: tokens the model writes before `The answer is`.",
         "- *Precision / recall*: of the chain tokens a method keeps at γ in the Phase 0 corpus "
