@@ -796,7 +796,7 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
                   "(per seed, then mean ± 95% interval). The bar: ≥ 90% of the accuracy at "
                   "γ = 0.5 with ≤ 60% of the chain tokens, and ≤ 3 points lost at γ = 1.0 (0 by "
                   "construction with one model per γ). Earlier recipes: "
-                  "[calibration.md](calibration.md).", "",
+                  "`docs/results/calibration.md`.", "",
                   "| arm | accuracy / full-chain, γ = 0.5 | chain tokens / full-chain, 0.5 | "
                   "accuracy / full, 0.7 | tokens / full, 0.7 | bar met |",
                   "|---|---|---|---|---|---|"]
