@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pipelines.loop.testbed import ORACLES, meets_bar, oracle_shares  # noqa: E402
+from pipelines.loop.testbed import ORACLES, _fmt, meets_bar, oracle_shares  # noqa: E402
 
 
 READING = "## Reading"
@@ -24,11 +24,6 @@ READING = "## Reading"
 def recipe(sizes: dict) -> str:
     return f"mix {sizes.get('mix', 'sample')}, {sizes['ft_epochs']:g} epochs, lr {sizes['ft_lr']:g}, " \
            f"unit {sizes.get('unit', 'token')}, corpus {sizes.get('phase0', 1000)}"
-
-
-def fmt(mi, scale=100.0) -> str:
-    m, h = mi
-    return f"{m * scale:.1f}" + ("" if h != h else f" ± {h * scale:.1f}")
 
 
 def main(argv=None) -> int:
@@ -48,9 +43,9 @@ def main(argv=None) -> int:
             if not r["0.5"]["seeds"]:
                 continue
             met = meets_bar(r)
-            lines.append(f"| {recipe(run['sizes'])} | {arm} | {r['0.5']['seeds']} | {fmt(r['0.5']['acc_share'])}% | "
-                         f"{fmt(r['0.5']['token_share'])}% | {fmt(r['0.7']['acc_share'])}% | "
-                         f"{fmt(r['0.7']['token_share'])}% | {fmt(r['1.0']['vs_full'])} | "
+            lines.append(f"| {recipe(run['sizes'])} | {arm} | {r['0.5']['seeds']} | {_fmt(r['0.5']['acc_share'], 100)}% | "
+                         f"{_fmt(r['0.5']['token_share'], 100)}% | {_fmt(r['0.7']['acc_share'], 100)}% | "
+                         f"{_fmt(r['0.7']['token_share'], 100)}% | {_fmt(r['1.0']['vs_full'], 100)} | "
                          f"{'yes' if met else 'no'} |")
     text = "\n".join(lines) + "\n"
     if a.out:
