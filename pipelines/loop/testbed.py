@@ -53,7 +53,7 @@ METHODS = ("mist", "necessity", "sufficiency", "h2o", "crisp", "perplexity", "go
            "mist_writer_facts", "necessity_writer_facts", "writer_hybrid_facts", "mist_eq",
            "h2o_eq", "mist_writer_eq", "necessity_writer_eq", "writer_hybrid_eq",
            "writer_hybrid_sent", "writer_hybrid_sentf", "uniform_sent", "oracle", "oracle_near",
-           "oracle_cue", "oracle_sent")
+           "oracle_cue", "oracle_sent", "shortest_sent")
 # Not scorers: `head` keeps the first tokens (truncation), `tail` the last; `oracle` keeps the
 # generator's ground truth (operands, operators, results) and the equations' `=` first, then
 # random tokens up to ⌈γT⌉: the ceiling for any scorer. `oracle_near` fills with the tokens
@@ -99,6 +99,9 @@ SENTENCES_OF = {"writer_hybrid_sent": "writer_hybrid", "uniform_sent": "uniform"
 # sentences_first of each: the sentences without an equation go whole, or (sentf) those
 # without a number or an operator.
 SENTENCE_KEEP = {"writer_hybrid_sentf": "facts"}
+# Another method run on each question's shortest correct chain of k (shortest_of_k's corpus)
+# instead of its Phase 0 chain: whether sampling's shortening and pruning's add up.
+OF_SHORTEST = {"shortest_sent": "writer_hybrid_sent"}
 ALPHAS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 ALPHA_SLICE = 60  # Phase 0 chains α is chosen on
 # name -> (method a, method b, w, whether b's scores are taken in log): w·z(a) + (1 − w)·z(b).
@@ -215,7 +218,7 @@ def phase0(lm, problems, sizes: Sizes, seed: int, path: Path, k: int = 1) -> lis
 
 
 def shortest_of_k(lm, problems, chains: list[dict], sizes: Sizes, seed: int, path: Path) -> dict:
-    """{question id: its shortest correct chain} over the Phase 0 sample and k − 1 more
+    """{question id: its shortest correct sample} over the Phase 0 sample and k − 1 more
     samples of each corpus question (the usual length baseline: the target fine-tuned on
     its own shortest correct answers)."""
     corpus = {c["source_id"] for c in chains}
@@ -225,7 +228,7 @@ def shortest_of_k(lm, problems, chains: list[dict], sizes: Sizes, seed: int, pat
     for s in list(chains) + [s for s in more if s["correct"] and s["finished"]]:
         if s["source_id"] not in best or s["tokens"] < best[s["source_id"]]["tokens"]:
             best[s["source_id"]] = s
-    return {q: s["cot"] for q, s in best.items()}
+    return best
 
 
 def score_and_prune(lm, chains: list[dict], methods, seed: int, unit: str = "token"
@@ -389,7 +392,7 @@ def arm_records(arm: str, chains: list[dict], compressed: dict | None, seed: int
         if arm == "full_chain":
             out += sft_records(**common, compressed={}, mix="sample", seed=seed)
         elif arm == "shortest_of_k":
-            out.append(sft_prompt_completion(**{**common, "cot": shortest[c["source_id"]]},
+            out.append(sft_prompt_completion(**{**common, "cot": shortest[c["source_id"]]["cot"]},
                                              budget=1.0))
         elif arm == "no_chain":  # the answer line alone: the chain's end of the range
             rec = sft_prompt_completion(**common, budget=1.0)
@@ -507,19 +510,26 @@ def run_seed(seed: int, sizes: Sizes, methods, work: Path, tok) -> dict:
     arms = state.setdefault("arms", {})
     # Only what is not stored is scored: a resumed or re-rendered seed costs no scoring.
     todo = [m for m in methods if m not in arms or m not in state.get("kept", {})]
-    compressed, kept = score_and_prune(target, chains, todo, seed, sizes.unit) if todo else ({}, {})
+    on_phase0 = [m for m in todo if m not in OF_SHORTEST]
+    compressed, kept = (score_and_prune(target, chains, on_phase0, seed, sizes.unit) if on_phase0
+                        else ({}, {}))
     shortest = shortest_of_k(target, pool, chains, sizes, seed, root / "phase0_k.json")
+    for arm in (m for m in todo if m in OF_SHORTEST):
+        base = OF_SHORTEST[arm]
+        done, stats = score_and_prune(target, list(shortest.values()), [base], seed, sizes.unit)
+        compressed[arm], kept[arm] = done[base], stats[base]
     state["kept"] = {**state.get("kept", {}), **kept}
     _save_json(state_path, state)
 
     for arm in list(CONTROLS) + list(methods):
         if arm in arms:
             continue
+        corpus = list(shortest.values()) if arm in OF_SHORTEST else chains
         if sizes.mix == "per_budget" and arm not in CONTROLS:
-            arms[arm] = run_per_budget(arm, target_dir, chains, compressed[arm], test_rows, sizes,
+            arms[arm] = run_per_budget(arm, target_dir, corpus, compressed[arm], test_rows, sizes,
                                        seed, root, arms["full_chain"])
         else:
-            records = arm_records(arm, chains, compressed.get(arm), seed, sizes.mix, shortest)
+            records = arm_records(arm, corpus, compressed.get(arm), seed, sizes.mix, shortest)
             arms[arm] = run_arm(arm, target_dir, records, test_rows, sizes, seed, root / arm)
         _save_json(state_path, state)
         acc = {g: round(v["accuracy"], 3) for g, v in arms[arm]["budgets"].items()}
@@ -739,7 +749,9 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
         "mean score first, while ⌈γT⌉ tokens are left), then the numbers and operators "
         "first in what is left; `_sentf` drops those without a number or an operator instead; "
         "`uniform_sent` is `_sent` on random scores, `oracle_sent` on oracle_cue's (the "
-        "ceiling under the sentence rule).",
+        "ceiling under the sentence rule). `shortest_sent`: the default (`writer_hybrid_sent`) "
+        "on shortest_of_k's corpus, each question's shortest correct chain, instead of its "
+        "Phase 0 chain.",
         f"- Phase 3: greedy answers on {sizes.test} new test questions under each γ (the "
         "controls under 1.0). *Chain tokens*: tokens the model writes before `The answer is`.",
         "- *Precision / recall*: of the chain tokens a method keeps at γ in the Phase 0 corpus "
@@ -807,7 +819,7 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
                          f"{_fmt(r['0.7']['token_share'], 100)}% | {'yes' if meets_bar(r) else 'no'} |")
     lines += ["", "![accuracy against chain tokens](downstream.png)"]
     pairs = ([(v, base) for v, (base, _) in VARIANTS.items()] + list(FACTS_OF.items())
-             + [(v, b + "_facts") for v, b in SENTENCES_OF.items()])
+             + [(v, b + "_facts") for v, b in SENTENCES_OF.items()] + list(OF_SHORTEST.items()))
     for variant, base in pairs:
         if variant != base and variant in methods and base in methods:
             lines += ["", f"### {variant} − {base}, paired by seed", "",
