@@ -440,6 +440,35 @@ def test_train_on_two_ray_train_workers(local_ray, teacher, tmp_path):
         completion_loss(before.model, before.tokenizer, records)
 
 
+def _sample(q, i, cot, tokens, correct=True, finished=True):
+    return {"id": f"{q}#{i}", "source_id": q, "sample": i, "question": "?", "cot": cot,
+            "answer": "4", "prediction": "4" if correct else "5", "answer_line": True,
+            "correct": correct, "tokens": tokens, "finished": finished}
+
+
+def test_select_keeps_each_questions_shortest_right_chain_and_accounts_for_the_rest():
+    from pipelines.loop.generate import CORPUS_COLUMNS, select
+
+    samples = [_sample("a", 0, "two plus two is four", 9), _sample("a", 1, "2 + 2 = 4", 5),
+               _sample("a", 2, "2+2=4", 3, correct=False),  # shorter, but wrong
+               _sample("a", 3, "2 + 2 = 4", 5),  # the same chain again
+               _sample("b", 0, "x = 4", 4), _sample("b", 1, "y = 4", 4),  # equals: the first
+               _sample("c", 0, "no", 2, correct=False)]
+    kept, rejected = select(samples, "shortest")
+    assert [r["id"] for r in kept] == ["a#1", "b#0"]
+    assert all(set(r) == set(CORPUS_COLUMNS) for r in kept)
+    assert [(r["id"], r["reason"]) for r in rejected] == [
+        ("a#0", "not_shortest"), ("a#2", "wrong_answer"), ("a#3", "duplicate_chain"),
+        ("b#1", "not_shortest"), ("c#0", "wrong_answer")]
+    every, rest = select(samples)  # keep "all": every right chain, one of each
+    assert [r["id"] for r in every] == ["a#0", "a#1", "b#0", "b#1"]
+    assert len(every) + len(rest) == len(kept) + len(rejected) == len(samples)
+    assert {r["id"] for r in rest} == {"a#2", "a#3", "c#0"}
+    from pipelines.loop.generate import parse_args
+    assert parse_args(["--input", "q", "--output", "o"], "g").keep == "all"
+    assert parse_args(["--input", "q", "--output", "o", "--keep", "shortest"], "g").keep == "shortest"
+
+
 def test_bad_settings_exit_2(tmp_path, capsys, questions):
     assert mist("generate", "--input", questions, "--model", tmp_path / "nope", "--output",
                 tmp_path / "g") == 2

@@ -13,7 +13,8 @@ transformers: --engine). OUT gets:
   _rejected.jsonl   the samples left out, each with its reason: wrong_answer, no_answer (no
                     answer line, number or \\boxed{}: generation.read_answer), unfinished
                     (cut at --max-new-tokens), empty_chain, duplicate_chain (the same chain
-                    as a kept sample of its question)
+                    as a kept sample of its question), not_shortest (a right chain longer
+                    than the one kept with --keep shortest)
   _manifest.json    settings, counts (questions read and skipped, samples, kept, rejected by
                     reason), timings
 Files starting with `_` are not read as input by the compression job. A rerun replaces
@@ -155,17 +156,28 @@ def verdict(sample: dict, kept_chains: set) -> str | None:
     return None
 
 
-def select(samples: list[dict]) -> tuple[list[dict], list[dict]]:
-    """(kept corpus rows, rejected samples with their reason), in question then sample order."""
-    kept, rejected, chains = [], [], set()
+def select(samples: list[dict], keep: str = "all") -> tuple[list[dict], list[dict]]:
+    """(kept corpus rows, rejected samples with their reason), in question then sample order.
+    keep "shortest": of a question's right chains only the one of fewest tokens (the first
+    sample among equals) is kept, the others are rejected as `not_shortest`."""
+    right, rejected, chains = [], [], set()
     for s in sorted(samples, key=lambda s: (s["source_id"], s["sample"])):
         reason = verdict(s, chains)
         if reason is None:
             chains.add((s["source_id"], s["cot"]))
-            kept.append({c: s[c] for c in CORPUS_COLUMNS})
+            right.append(s)
         else:
             rejected.append({**s, "reason": reason})
-    return kept, rejected
+    if keep == "shortest":
+        best = {}
+        for s in right:
+            if s["source_id"] not in best or s["tokens"] < best[s["source_id"]]["tokens"]:
+                best[s["source_id"]] = s
+        rejected += [{**s, "reason": "not_shortest"} for s in right
+                     if s is not best[s["source_id"]]]
+        right = [s for s in right if s is best[s["source_id"]]]
+        rejected.sort(key=lambda s: (s["source_id"], s["sample"]))
+    return [{c: s[c] for c in CORPUS_COLUMNS} for s in right], rejected
 
 
 def run(args: GenerateConfig) -> int:
@@ -197,7 +209,7 @@ def run(args: GenerateConfig) -> int:
     for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
         samples += batch.to_pylist()
         print(f"[generate] {len(samples)}/{len(questions) * args.k} samples", flush=True)
-    kept, rejected = select(samples)
+    kept, rejected = select(samples, args.keep)
     run_s = time.perf_counter() - t_run
 
     corpus = storage.join(args.output, f"chains.{'parquet' if args.output_format == 'parquet' else 'jsonl'}")
@@ -213,7 +225,8 @@ def run(args: GenerateConfig) -> int:
         "settings": {"input": [storage.redact(u) for u in args.input], "adapter": args.adapter,
                      "columns": args.columns, "limit": args.limit, "style": style, "k": args.k,
                      "temperature": args.temperature, "top_p": args.top_p,
-                     "max_new_tokens": args.max_new_tokens, "seed": args.seed},
+                     "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+                     "keep": args.keep},
         "model": {"spec": args.model, "name": name, "path": resolve(args.model)[0],
                   "dtype": args.dtype, "device": device, "engine": engine,
                   "trust_remote_code": args.trust_remote_code},
@@ -244,6 +257,9 @@ class GenerateConfig(loop.Questions):
     top_p: float = setting(0.95, "nucleus sampling's p, in (0, 1]", group="scoring",
                            metavar="P")
     seed: int = setting(0, "sampling seed", group="scoring")
+    keep: str = setting("all", "all: every right chain; shortest: each question's right chain "
+                        "of fewest tokens (the rest rejected as not_shortest)", group="scoring",
+                        choices=("all", "shortest"))
     engine: str = setting("auto", "auto: vLLM through ray.data.llm where vLLM is installed and "
                           "the actors get GPUs, else transformers", group="resources",
                           choices=("auto", "transformers", "vllm"))
