@@ -327,21 +327,31 @@ def test_a_stored_seed_is_not_scored_again(tmp_path, monkeypatch):
     chain = {"correct": True, "finished": True}
     monkeypatch.setattr(testbed, "train_target", lambda *a: None)
     monkeypatch.setattr(testbed, "phase0", lambda *a, **k: [chain])
-    monkeypatch.setattr(testbed, "shortest_of_k", lambda *a: {})
-    scored = []
+    shortest = {"q": {"id": "q#3", "correct": True, "finished": True}}
+    monkeypatch.setattr(testbed, "shortest_of_k", lambda *a: shortest)
+    scored, trained = [], {}
 
     def score_and_prune(lm, chains, methods, seed, unit):
         scored.append(list(methods))
-        return {m: {} for m in methods}, {m: {"0.5": {}} for m in methods}
+        return ({m: {c.get("id", "p0"): m for c in chains} for m in methods},
+                {m: {"0.5": {}} for m in methods})
+
+    def run_per_budget(arm, target, chains, compressed, *a):
+        trained[arm] = (chains, compressed)
+        return {"budgets": {"0.5": {"accuracy": 0.1}}, "train_seconds": 2.0}
 
     monkeypatch.setattr(testbed, "score_and_prune", score_and_prune)
-    monkeypatch.setattr(testbed, "run_per_budget", lambda arm, *a: {
-        "budgets": {"0.5": {"accuracy": 0.1}}, "train_seconds": 2.0})
+    monkeypatch.setattr(testbed, "run_per_budget", run_per_budget)
     out = testbed.run_seed(0, sizes, ["h2o"], tmp_path, None)
     assert scored == [] and out["arms"] == arms
     out = testbed.run_seed(0, sizes, ["h2o", "uniform"], tmp_path, None)
     assert scored == [["uniform"]] and set(out["kept"]) == {"h2o", "uniform"}
     assert out["arms"]["uniform"]["train_seconds"] == 2.0
+    assert trained["uniform"] == ([chain], {"p0": "uniform"})
+    # an arm on the shortest chains scores its base method on them and trains on them
+    out = testbed.run_seed(0, sizes, ["h2o", "uniform", "shortest_sent"], tmp_path, None)
+    assert scored[1:] == [["writer_hybrid_sent"]] and "shortest_sent" in out["kept"]
+    assert trained["shortest_sent"] == ([shortest["q"]], {"q#3": "writer_hybrid_sent"})
 
 
 def test_seeds_in_parallel_share_one_target_trained_first(tmp_path, monkeypatch):
