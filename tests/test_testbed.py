@@ -327,8 +327,8 @@ def test_a_stored_seed_is_not_scored_again(tmp_path, monkeypatch):
     chain = {"correct": True, "finished": True}
     monkeypatch.setattr(testbed, "train_target", lambda *a: None)
     monkeypatch.setattr(testbed, "phase0", lambda *a, **k: [chain])
-    shortest = {"q": {"id": "q#3", "correct": True, "finished": True}}
-    monkeypatch.setattr(testbed, "shortest_of_k", lambda *a: shortest)
+    samples = [{"id": "q#0", "source_id": "q", "tokens": 9}, {"id": "q#3", "source_id": "q", "tokens": 5}]
+    monkeypatch.setattr(testbed, "samples_of_k", lambda *a: samples)
     scored, trained = [], {}
 
     def score_and_prune(lm, chains, methods, seed, unit):
@@ -351,7 +351,7 @@ def test_a_stored_seed_is_not_scored_again(tmp_path, monkeypatch):
     # an arm on the shortest chains scores its base method on them and trains on them
     out = testbed.run_seed(0, sizes, ["h2o", "uniform", "shortest_sent"], tmp_path, None)
     assert scored[1:] == [["writer_hybrid_sent"]] and "shortest_sent" in out["kept"]
-    assert trained["shortest_sent"] == ([shortest["q"]], {"q#3": "writer_hybrid_sent"})
+    assert trained["shortest_sent"] == ([samples[1]], {"q#3": "writer_hybrid_sent"})
 
 
 def test_seeds_in_parallel_share_one_target_trained_first(tmp_path, monkeypatch):
@@ -514,3 +514,28 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_the_sample_controls_train_on_every_right_sample_or_each_questions_shortest(monkeypatch):
+    """samples_of_k: the Phase 0 chains, then the right and finished ones of the k − 1 more
+    samples, each chain once per question; all_of_k trains on every one of them whole,
+    shortest_of_k on each question's shortest (the first among equals)."""
+    from pipelines.loop import testbed
+
+    def s(q, i, cot, correct=True):
+        return {"id": f"{q}#{i}", "source_id": q, "question": f"Q{q}", "cot": cot, "answer": "1",
+                "tokens": len(cot.split()), "correct": correct, "finished": True}
+
+    chains = [s("a", 0, "one two three"), s("b", 0, "x y")]
+    more = [s("a", 1, "one two"), s("a", 2, "one two three"), s("a", 3, "no", correct=False),
+            s("b", 1, "u v"), s("b", 2, "w")]
+    monkeypatch.setattr(testbed, "phase0", lambda *a, **k: more)
+    samples = testbed.samples_of_k(None, [], chains, testbed.Sizes(), 0, None)
+    assert [x["id"] for x in samples] == ["a#0", "b#0", "a#1", "b#1", "b#2"]
+    assert {q: x["id"] for q, x in testbed.shortest_of(samples).items()} == {"a": "a#1", "b": "b#2"}
+    every = testbed.arm_records("all_of_k", chains, None, 0, samples=samples)
+    assert [r["completion"][0]["content"].split("\n")[0] for r in every] == [
+        x["cot"] for x in samples]
+    short = testbed.arm_records("shortest_of_k", chains, None, 0, samples=samples)
+    assert [r["completion"][0]["content"].split("\n")[0] for r in short] == ["one two", "w"]
+    assert testbed._whole("all_of_k") and not testbed._whole("shortest_sent")

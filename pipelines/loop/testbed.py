@@ -53,7 +53,7 @@ METHODS = ("mist", "necessity", "sufficiency", "h2o", "crisp", "perplexity", "go
            "mist_writer_facts", "necessity_writer_facts", "writer_hybrid_facts", "mist_eq",
            "h2o_eq", "mist_writer_eq", "necessity_writer_eq", "writer_hybrid_eq",
            "writer_hybrid_sent", "writer_hybrid_sentf", "uniform_sent", "oracle", "oracle_near",
-           "oracle_cue", "oracle_sent", "shortest_sent")
+           "oracle_cue", "oracle_sent", "shortest_sent", "all_of_k")
 # Not scorers: `head` keeps the first tokens (truncation), `tail` the last; `oracle` keeps the
 # generator's ground truth (operands, operators, results) and the equations' `=` first, then
 # random tokens up to ⌈γT⌉: the ceiling for any scorer. `oracle_near` fills with the tokens
@@ -110,6 +110,10 @@ ALPHA_SLICE = 60  # Phase 0 chains α is chosen on
 # scorer: MistScorer's target "both", VARIANTS.)
 HYBRIDS = {"hybrid": ("mist_clipped", "h2o", 0.5, True)}
 CONTROLS = ("full_chain", "no_chain", "shortest_of_k")
+# Controls run only when asked for (--methods), trained whole and answering under 1.0 like
+# the three: `all_of_k`, every right sample of k of each question (what `mist generate
+# --keep all` writes), against shortest_of_k's one (--keep shortest).
+WHOLE = ("all_of_k",)
 # the ceilings: random fill, the nearest tokens, with the writer's cues, and those under the
 # sentence rule
 ORACLES = ("oracle", "oracle_near", "oracle_cue", "oracle_sent")
@@ -177,6 +181,11 @@ def _save_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def _whole(arm: str) -> bool:
+    """A control: trained on whole chains (or none), answering under γ = 1.0 alone."""
+    return arm in CONTROLS or arm in WHOLE
+
+
 def _trained(path: Path) -> bool:
     return (path / "config.json").is_file()
 
@@ -217,15 +226,26 @@ def phase0(lm, problems, sizes: Sizes, seed: int, path: Path, k: int = 1) -> lis
     return samples
 
 
-def shortest_of_k(lm, problems, chains: list[dict], sizes: Sizes, seed: int, path: Path) -> dict:
-    """{question id: its shortest correct sample} over the Phase 0 sample and k − 1 more
-    samples of each corpus question (the usual length baseline: the target fine-tuned on
-    its own shortest correct answers)."""
+def samples_of_k(lm, problems, chains: list[dict], sizes: Sizes, seed: int, path: Path
+                 ) -> list[dict]:
+    """Every correct, finished sample of the corpus questions, each chain once per question:
+    the Phase 0 chains, then those of k − 1 more samples of each question."""
     corpus = {c["source_id"] for c in chains}
     more = phase0(lm, [p for p in problems if p.id in corpus], sizes, seed + 1, path,
                   k=sizes.shortest_k - 1) if sizes.shortest_k > 1 else []
-    best = {}
+    seen, out = set(), []
     for s in list(chains) + [s for s in more if s["correct"] and s["finished"]]:
+        if (s["source_id"], s["cot"]) not in seen:
+            seen.add((s["source_id"], s["cot"]))
+            out.append(s)
+    return out
+
+
+def shortest_of(samples: list[dict]) -> dict:
+    """{question id: its sample of fewest tokens, the first among equals} (the usual length
+    baseline: the target fine-tuned on its own shortest correct answers)."""
+    best = {}
+    for s in samples:
         if s["source_id"] not in best or s["tokens"] < best[s["source_id"]]["tokens"]:
             best[s["source_id"]] = s
     return best
@@ -380,12 +400,17 @@ def choose_alpha(lm, encoded, scored, budget: float = 0.5, unit: str = "token") 
 
 
 def arm_records(arm: str, chains: list[dict], compressed: dict | None, seed: int,
-                mix: str = "sample", shortest: dict | None = None) -> list[dict]:
-    """The SFT records of one arm: a method's mixture, or a control. `shortest`: each
-    question's shortest correct chain of k samples (the shortest_of_k control)."""
+                mix: str = "sample", samples: list[dict] | None = None) -> list[dict]:
+    """The SFT records of one arm: a method's mixture, or a control. `samples`: every
+    correct sample of k of each question (samples_of_k: the all_of_k control, and the
+    shortest of each the shortest_of_k control)."""
     from mist_core.data.formats import sft_prompt_completion, sft_records
     from mist_core.data.templates import ANSWER_LEAD
 
+    if arm == "all_of_k":
+        return [sft_prompt_completion(id=s["id"], question=s["question"], cot=s["cot"],
+                                      answer=s["answer"], budget=1.0) for s in samples]
+    shortest = shortest_of(samples) if arm == "shortest_of_k" else {}
     out = []
     for c in chains:
         common = dict(id=c["id"], question=c["question"], cot=c["cot"], answer=c["answer"])
@@ -420,7 +445,7 @@ def run_arm(arm: str, target: Path, records: list[dict], test_rows: list[dict], 
                  gradient_checkpointing=False)
     t1 = time.time()
     lm = load_model(str(path))
-    budgets = budgets or (EVAL_BUDGETS if arm not in CONTROLS else (1.0,))
+    budgets = budgets or (EVAL_BUDGETS if not _whole(arm) else (1.0,))
     out = {"records": len(records), "train_seconds": round(t1 - t0, 1), "budgets": {}}
     for g in budgets:
         solved = solve(lm, test_rows, budget=g, style=STYLE, max_new_tokens=sizes.max_new_tokens,
@@ -510,10 +535,11 @@ def run_seed(seed: int, sizes: Sizes, methods, work: Path, tok) -> dict:
     arms = state.setdefault("arms", {})
     # Only what is not stored is scored: a resumed or re-rendered seed costs no scoring.
     todo = [m for m in methods if m not in arms or m not in state.get("kept", {})]
-    on_phase0 = [m for m in todo if m not in OF_SHORTEST]
+    on_phase0 = [m for m in todo if m not in OF_SHORTEST and m not in WHOLE]
     compressed, kept = (score_and_prune(target, chains, on_phase0, seed, sizes.unit) if on_phase0
                         else ({}, {}))
-    shortest = shortest_of_k(target, pool, chains, sizes, seed, root / "phase0_k.json")
+    samples = samples_of_k(target, pool, chains, sizes, seed, root / "phase0_k.json")
+    shortest = shortest_of(samples)
     for arm in (m for m in todo if m in OF_SHORTEST):
         base = OF_SHORTEST[arm]
         done, stats = score_and_prune(target, list(shortest.values()), [base], seed, sizes.unit)
@@ -525,11 +551,11 @@ def run_seed(seed: int, sizes: Sizes, methods, work: Path, tok) -> dict:
         if arm in arms:
             continue
         corpus = list(shortest.values()) if arm in OF_SHORTEST else chains
-        if sizes.mix == "per_budget" and arm not in CONTROLS:
+        if sizes.mix == "per_budget" and not _whole(arm):
             arms[arm] = run_per_budget(arm, target_dir, corpus, compressed[arm], test_rows, sizes,
                                        seed, root, arms["full_chain"])
         else:
-            records = arm_records(arm, corpus, compressed.get(arm), seed, sizes.mix, shortest)
+            records = arm_records(arm, corpus, compressed.get(arm), seed, sizes.mix, samples)
             arms[arm] = run_arm(arm, target_dir, records, test_rows, sizes, seed, root / arm)
         _save_json(state_path, state)
         acc = {g: round(v["accuracy"], 3) for g, v in arms[arm]["budgets"].items()}
@@ -562,7 +588,7 @@ def aggregate(seeds: dict[int, dict], methods) -> list[dict]:
     and (for the pruned budgets) kept-token precision and recall."""
     rows = []
     for arm in list(methods) + list(CONTROLS):
-        budgets = EVAL_BUDGETS if arm not in CONTROLS else (1.0,)
+        budgets = EVAL_BUDGETS if not _whole(arm) else (1.0,)
         for g in budgets:
             per = [s["arms"][arm]["budgets"][str(g)] for s in seeds.values()
                    if arm in s.get("arms", {})]
@@ -751,7 +777,8 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
         "`uniform_sent` is `_sent` on random scores, `oracle_sent` on oracle_cue's (the "
         "ceiling under the sentence rule). `shortest_sent`: the default (`writer_hybrid_sent`) "
         "on shortest_of_k's corpus, each question's shortest correct chain, instead of its "
-        "Phase 0 chain.",
+        "Phase 0 chain. `all_of_k`, a control like the three: every correct sample of the "
+        f"{sizes.shortest_k} (each chain once per question), whole.",
         f"- Phase 3: greedy answers on {sizes.test} new test questions under each γ (the "
         "controls under 1.0). *Chain tokens*: tokens the model writes before `The answer is`.",
         "- *Precision / recall*: of the chain tokens a method keeps at γ in the Phase 0 corpus "
@@ -786,7 +813,7 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
             cells = []
             for g in TRAIN_BUDGETS:
                 diffs = [s["arms"][DEFAULT_ARM]["budgets"][str(g)]["accuracy"]
-                         - s["arms"][other]["budgets"][str(g if other not in CONTROLS else 1.0)]["accuracy"]
+                         - s["arms"][other]["budgets"][str(g if not _whole(other) else 1.0)]["accuracy"]
                          for s in seeds.values() if {DEFAULT_ARM, other} <= set(s.get("arms", {}))]
                 mi = t_interval(diffs)
                 cells += [_fmt(mi, 100), ahead(mi)]
@@ -796,7 +823,7 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
               "full-chain control, at the chain tokens the arm's model writes (per seed, then "
               "mean ± 95% interval).", "", "| arm | γ | points above the line | |", "|---|---|---|---|"]
     for arm in list(methods) + [c for c in CONTROLS if c not in ("full_chain", "no_chain")]:
-        for g in (EVAL_BUDGETS if arm not in CONTROLS else (1.0,)):
+        for g in (EVAL_BUDGETS if not _whole(arm) else (1.0,)):
             margins = [m for m in (line_margin(sd, arm, g) for sd in seeds.values()) if m is not None]
             if margins:
                 mi = t_interval(margins)
