@@ -2,8 +2,8 @@
 # The distillation loop on one GPU, more than 8 minutes on an H200 at full size (a first, cut-off
 # run: docs/results/performance.md, GPU): SmolLM2-135M-Instruct and
 # GSM8K train/test from ../shared/data. Each step is the README's command:
-#   0. generate   K chains for each of N_GEN train questions; the right ones are kept (how
-#                 many is itself a result: a 135M model gets few right)
+#   0. generate   K chains for each of N_GEN train questions; each question's shortest right
+#                 one is kept (how many are right is itself a result: a 135M model gets few)
 #   1. compress   N_TRAIN of GSM8K's own train solutions (right by construction), three ways:
 #                 MIST and H2O at the budgets 0.5,0.7 (the mixture adds 1.0), and full
 #                 chains only (budget 1.0: the control)

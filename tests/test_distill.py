@@ -460,13 +460,13 @@ def test_select_keeps_each_questions_shortest_right_chain_and_accounts_for_the_r
     assert [(r["id"], r["reason"]) for r in rejected] == [
         ("a#0", "not_shortest"), ("a#2", "wrong_answer"), ("a#3", "duplicate_chain"),
         ("b#1", "not_shortest"), ("c#0", "wrong_answer")]
-    every, rest = select(samples)  # keep "all": every right chain, one of each
+    every, rest = select(samples, "all")  # every right chain, one of each
     assert [r["id"] for r in every] == ["a#0", "a#1", "b#0", "b#1"]
     assert len(every) + len(rest) == len(kept) + len(rejected) == len(samples)
     assert {r["id"] for r in rest} == {"a#2", "a#3", "c#0"}
     from pipelines.loop.generate import parse_args
-    assert parse_args(["--input", "q", "--output", "o"], "g").keep == "all"
-    assert parse_args(["--input", "q", "--output", "o", "--keep", "shortest"], "g").keep == "shortest"
+    assert parse_args(["--input", "q", "--output", "o"], "g").keep == "shortest"
+    assert parse_args(["--input", "q", "--output", "o", "--keep", "all"], "g").keep == "all"
 
 
 def test_bad_settings_exit_2(tmp_path, capsys, questions):
