@@ -447,7 +447,7 @@ def _sample(q, i, cot, tokens, correct=True, finished=True):
 
 
 def test_select_keeps_each_questions_shortest_right_chain_and_accounts_for_the_rest():
-    from pipelines.loop.generate import CORPUS_COLUMNS, select
+    from pipelines.loop.generate import CORPUS_COLUMNS, parse_args, select
 
     samples = [_sample("a", 0, "two plus two is four", 9), _sample("a", 1, "2 + 2 = 4", 5),
                _sample("a", 2, "2+2=4", 3, correct=False),  # shorter, but wrong
@@ -464,7 +464,6 @@ def test_select_keeps_each_questions_shortest_right_chain_and_accounts_for_the_r
     assert [r["id"] for r in every] == ["a#0", "a#1", "b#0", "b#1"]
     assert len(every) + len(rest) == len(kept) + len(rejected) == len(samples)
     assert {r["id"] for r in rest} == {"a#2", "a#3", "c#0"}
-    from pipelines.loop.generate import parse_args
     assert parse_args(["--input", "q", "--output", "o"], "g").keep == "shortest"
     assert parse_args(["--input", "q", "--output", "o", "--keep", "all"], "g").keep == "all"
 

@@ -520,6 +520,7 @@ def test_the_sample_controls_train_on_every_right_sample_or_each_questions_short
     """samples_of_k: the Phase 0 chains, then the right and finished ones of the k − 1 more
     samples, each chain once per question; all_of_k trains on every one of them whole,
     shortest_of_k on each question's shortest (the first among equals)."""
+    from mist_core.distill.generation import shortest_per_question
     from pipelines.loop import testbed
 
     def s(q, i, cot, correct=True):
@@ -532,7 +533,7 @@ def test_the_sample_controls_train_on_every_right_sample_or_each_questions_short
     monkeypatch.setattr(testbed, "phase0", lambda *a, **k: more)
     samples = testbed.samples_of_k(None, [], chains, testbed.Sizes(), 0, None)
     assert [x["id"] for x in samples] == ["a#0", "b#0", "a#1", "b#1", "b#2"]
-    assert {q: x["id"] for q, x in testbed.shortest_of(samples).items()} == {"a": "a#1", "b": "b#2"}
+    assert {q: x["id"] for q, x in shortest_per_question(samples).items()} == {"a": "a#1", "b": "b#2"}
     every = testbed.arm_records("all_of_k", chains, None, 0, samples=samples)
     assert [r["completion"][0]["content"].split("\n")[0] for r in every] == [
         x["cot"] for x in samples]

@@ -235,6 +235,16 @@ def sample_record(row: dict, sample: int, c: Completion, style: str) -> dict:
             "tokens": c.tokens, "finished": c.finished}
 
 
+def shortest_per_question(samples: Sequence[dict]) -> dict[str, dict]:
+    """{question id (`source_id`): its sample of fewest `tokens`, the first among equals in
+    the order given}: the usual length baseline's choice (shortest-of-k)."""
+    best: dict[str, dict] = {}
+    for s in samples:
+        if s["source_id"] not in best or s["tokens"] < best[s["source_id"]]["tokens"]:
+            best[s["source_id"]] = s
+    return best
+
+
 def chain_tokens(lm: LM, chain: str) -> int:
     """The tokens of a chain's text, counted as the compression job counts a chain's."""
     return len(lm.tokenizer(chain, add_special_tokens=False)["input_ids"]) if chain else 0

@@ -9,8 +9,9 @@ The questions are read with the compression job's readers and adapters (a GSM8K 
 adapter) and sampled in a Ray Data actor pool, one model replica per actor, a GPU each where
 the cluster has GPUs (through vLLM and ray.data.llm where vLLM is installed, else
 transformers: --engine). OUT gets:
-  chains.jsonl      the kept chains, one per question by default: id (<question id>#<sample>), question, cot, answer (the
-                    gold answer), source_id; or chains.parquet with --output-format parquet
+  chains.jsonl      the kept chains, one per question by default: id (<question
+                    id>#<sample>), question, cot, answer (the gold answer), source_id; or
+                    chains.parquet with --output-format parquet
   _rejected.jsonl   the samples left out, each with its reason: wrong_answer, no_answer (no
                     answer line, number or \\boxed{}: generation.read_answer), unfinished
                     (cut at --max-new-tokens), empty_chain, duplicate_chain (the same chain
@@ -161,6 +162,8 @@ def select(samples: list[dict], keep: str = "shortest") -> tuple[list[dict], lis
     """(kept corpus rows, rejected samples with their reason), in question then sample order.
     keep "shortest": of a question's right chains only the one of fewest tokens (the first
     sample among equals) is kept, the others are rejected as `not_shortest`."""
+    from mist_core.distill.generation import shortest_per_question
+
     right, rejected, chains = [], [], set()
     for s in sorted(samples, key=lambda s: (s["source_id"], s["sample"])):
         reason = verdict(s, chains)
@@ -170,10 +173,7 @@ def select(samples: list[dict], keep: str = "shortest") -> tuple[list[dict], lis
         else:
             rejected.append({**s, "reason": reason})
     if keep == "shortest":
-        best = {}
-        for s in right:
-            if s["source_id"] not in best or s["tokens"] < best[s["source_id"]]["tokens"]:
-                best[s["source_id"]] = s
+        best = shortest_per_question(right)
         rejected += [{**s, "reason": "not_shortest"} for s in right
                      if s is not best[s["source_id"]]]
         right = [s for s in right if s is best[s["source_id"]]]

@@ -241,16 +241,6 @@ def samples_of_k(lm, problems, chains: list[dict], sizes: Sizes, seed: int, path
     return out
 
 
-def shortest_of(samples: list[dict]) -> dict:
-    """{question id: its sample of fewest tokens, the first among equals} (the usual length
-    baseline: the target fine-tuned on its own shortest correct answers)."""
-    best = {}
-    for s in samples:
-        if s["source_id"] not in best or s["tokens"] < best[s["source_id"]]["tokens"]:
-            best[s["source_id"]] = s
-    return best
-
-
 def score_and_prune(lm, chains: list[dict], methods, seed: int, unit: str = "token"
                     ) -> tuple[dict, dict]:
     """Every method's compressed chains ({method: {chain id: {γ: text}}}) and what they
@@ -410,7 +400,9 @@ def arm_records(arm: str, chains: list[dict], compressed: dict | None, seed: int
     if arm == "all_of_k":
         return [sft_prompt_completion(id=s["id"], question=s["question"], cot=s["cot"],
                                       answer=s["answer"], budget=1.0) for s in samples]
-    shortest = shortest_of(samples) if arm == "shortest_of_k" else {}
+    from mist_core.distill.generation import shortest_per_question
+
+    shortest = shortest_per_question(samples) if arm == "shortest_of_k" else {}
     out = []
     for c in chains:
         common = dict(id=c["id"], question=c["question"], cot=c["cot"], answer=c["answer"])
@@ -495,7 +487,7 @@ def target_problems(sizes: Sizes, target_seed: int):
 
 def run_seed(seed: int, sizes: Sizes, methods, work: Path, tok) -> dict:
     """Everything of one seed; what is stored under work/seed<N> is reused."""
-    from mist_core.distill.generation import solve
+    from mist_core.distill.generation import shortest_per_question, solve
     from mist_core.distill.synthetic import make_problems
 
     root = work / f"seed{seed}"
@@ -539,7 +531,7 @@ def run_seed(seed: int, sizes: Sizes, methods, work: Path, tok) -> dict:
     compressed, kept = (score_and_prune(target, chains, on_phase0, seed, sizes.unit) if on_phase0
                         else ({}, {}))
     samples = samples_of_k(target, pool, chains, sizes, seed, root / "phase0_k.json")
-    shortest = shortest_of(samples)
+    shortest = shortest_per_question(samples)
     for arm in (m for m in todo if m in OF_SHORTEST):
         base = OF_SHORTEST[arm]
         done, stats = score_and_prune(target, list(shortest.values()), [base], seed, sizes.unit)
