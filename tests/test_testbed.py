@@ -352,6 +352,17 @@ def test_a_stored_seed_is_not_scored_again(tmp_path, monkeypatch):
     out = testbed.run_seed(0, sizes, ["h2o", "uniform", "shortest_sent"], tmp_path, None)
     assert scored[1:] == [["writer_hybrid_sent"]] and "shortest_sent" in out["kept"]
     assert trained["shortest_sent"] == ([samples[1]], {"q#3": "writer_hybrid_sent"})
+    # a mixture arm scores its base on the Phase 0 chains and trains one model on every γ
+    # of them under its own mix, whatever the recipe's
+    runs = []
+    monkeypatch.setattr(testbed, "arm_records", lambda arm, corpus, comp, seed, mix, *a:
+                        runs.append((arm, corpus, comp, mix)) or ["record"])
+    monkeypatch.setattr(testbed, "run_arm", lambda arm, target, records, *a: {
+        "budgets": {"0.5": {"accuracy": 0.2}, "1.0": {"accuracy": 0.6}}, "train_seconds": 3.0})
+    out = testbed.run_seed(0, sizes, ["h2o", "sent_mix_all"], tmp_path, None)
+    assert scored[2:] == [["writer_hybrid_sent"]] and "sent_mix_all" in out["kept"]
+    assert runs == [("sent_mix_all", [chain], {"p0": "writer_hybrid_sent"}, "all")]
+    assert out["arms"]["sent_mix_all"]["budgets"]["1.0"]["accuracy"] == 0.6
 
 
 def test_seeds_in_parallel_share_one_target_trained_first(tmp_path, monkeypatch):

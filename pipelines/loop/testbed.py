@@ -53,7 +53,8 @@ METHODS = ("mist", "necessity", "sufficiency", "h2o", "crisp", "perplexity", "go
            "mist_writer_facts", "necessity_writer_facts", "writer_hybrid_facts", "mist_eq",
            "h2o_eq", "mist_writer_eq", "necessity_writer_eq", "writer_hybrid_eq",
            "writer_hybrid_sent", "writer_hybrid_sentf", "uniform_sent", "oracle", "oracle_near",
-           "oracle_cue", "oracle_sent", "shortest_sent", "all_of_k")
+           "oracle_cue", "oracle_sent", "shortest_sent", "all_of_k", "sent_mix_all",
+           "sent_mix_sample")
 # Not scorers: `head` keeps the first tokens (truncation), `tail` the last; `oracle` keeps the
 # generator's ground truth (operands, operators, results) and the equations' `=` first, then
 # random tokens up to ⌈γT⌉: the ceiling for any scorer. `oracle_near` fills with the tokens
@@ -102,6 +103,12 @@ SENTENCE_KEEP = {"writer_hybrid_sentf": "facts"}
 # Another method run on each question's shortest correct chain of k (shortest_of_k's corpus)
 # instead of its Phase 0 chain: whether sampling's shortening and pruning's add up.
 OF_SHORTEST = {"shortest_sent": "writer_hybrid_sent"}
+# Another method's chains under a mixture recipe whatever --mix says: one model for every γ,
+# trained on every chain at each γ of {0.5, 0.7, 1.0} ("all") or on one γ per chain
+# ("sample", `mist compress`'s default sft_mix), answering under each; against the per-budget
+# models of the base: what a mixture costs or buys at each γ.
+MIXTURES = {"sent_mix_all": ("writer_hybrid_sent", "all"),
+            "sent_mix_sample": ("writer_hybrid_sent", "sample")}
 ALPHAS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 ALPHA_SLICE = 60  # Phase 0 chains α is chosen on
 # name -> (method a, method b, w, whether b's scores are taken in log): w·z(a) + (1 − w)·z(b).
@@ -527,9 +534,13 @@ def run_seed(seed: int, sizes: Sizes, methods, work: Path, tok) -> dict:
     arms = state.setdefault("arms", {})
     # Only what is not stored is scored: a resumed or re-rendered seed costs no scoring.
     todo = [m for m in methods if m not in arms or m not in state.get("kept", {})]
-    on_phase0 = [m for m in todo if m not in OF_SHORTEST and m not in WHOLE]
+    on_phase0 = [m for m in todo
+                 if m not in OF_SHORTEST and m not in WHOLE and m not in MIXTURES]
+    on_phase0 += sorted({MIXTURES[m][0] for m in todo if m in MIXTURES} - set(on_phase0))
     compressed, kept = (score_and_prune(target, chains, on_phase0, seed, sizes.unit) if on_phase0
                         else ({}, {}))
+    for arm in (m for m in todo if m in MIXTURES):
+        compressed[arm], kept[arm] = compressed[MIXTURES[arm][0]], kept[MIXTURES[arm][0]]
     samples = samples_of_k(target, pool, chains, sizes, seed, root / "phase0_k.json")
     shortest = shortest_per_question(samples)
     for arm in (m for m in todo if m in OF_SHORTEST):
@@ -543,7 +554,10 @@ def run_seed(seed: int, sizes: Sizes, methods, work: Path, tok) -> dict:
         if arm in arms:
             continue
         corpus = list(shortest.values()) if arm in OF_SHORTEST else chains
-        if sizes.mix == "per_budget" and not _whole(arm):
+        if arm in MIXTURES:
+            records = arm_records(arm, corpus, compressed[arm], seed, MIXTURES[arm][1])
+            arms[arm] = run_arm(arm, target_dir, records, test_rows, sizes, seed, root / arm)
+        elif sizes.mix == "per_budget" and not _whole(arm):
             arms[arm] = run_per_budget(arm, target_dir, corpus, compressed[arm], test_rows, sizes,
                                        seed, root, arms["full_chain"])
         else:
@@ -769,7 +783,10 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
         "`uniform_sent` is `_sent` on random scores, `oracle_sent` on oracle_cue's (the "
         "ceiling under the sentence rule). `shortest_sent`: the default (`writer_hybrid_sent`) "
         "on shortest_of_k's corpus, each question's shortest correct chain, instead of its "
-        "Phase 0 chain. `all_of_k`, a control like the three: every correct sample of the "
+        "Phase 0 chain. `sent_mix_all` and `sent_mix_sample`: the default's chains under a "
+        "mixture, one model for every γ trained on each chain at every γ of {0.5, 0.7, 1.0} "
+        "(`all`) or at one γ drawn by its id (`sample`, `mist compress`'s default `sft_mix`), "
+        "answering under each γ. `all_of_k`, a control like the three: every correct sample of the "
         f"{sizes.shortest_k} (each chain once per question), whole.",
         f"- Phase 3: greedy answers on {sizes.test} new test questions under each γ (the "
         "controls under 1.0). *Chain tokens*: tokens the model writes before `The answer is`.",
@@ -838,7 +855,8 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
                          f"{_fmt(r['0.7']['token_share'], 100)}% | {'yes' if meets_bar(r) else 'no'} |")
     lines += ["", "![accuracy against chain tokens](downstream.png)"]
     pairs = ([(v, base) for v, (base, _) in VARIANTS.items()] + list(FACTS_OF.items())
-             + [(v, b + "_facts") for v, b in SENTENCES_OF.items()] + list(OF_SHORTEST.items()))
+             + [(v, b + "_facts") for v, b in SENTENCES_OF.items()] + list(OF_SHORTEST.items())
+             + [(m, base) for m, (base, _) in MIXTURES.items()])
     for variant, base in pairs:
         if variant != base and variant in methods and base in methods:
             lines += ["", f"### {variant} − {base}, paired by seed", "",
