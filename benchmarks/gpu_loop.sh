@@ -5,8 +5,9 @@
 #   0. generate   K chains for each of N_GEN train questions; each question's shortest right
 #                 one is kept (how many are right is itself a result: a 135M model gets few)
 #   1. compress   N_TRAIN of GSM8K's own train solutions (right by construction), three ways:
-#                 MIST and H2O at the budgets 0.5,0.7 (the mixture adds 1.0), and full
-#                 chains only (budget 1.0: the control)
+#                 MIST and H2O at the budgets 0.5,0.7 (the job's default --sft-mix all
+#                 writes each chain at both and whole: 3 records a chain, 3x the training
+#                 of the control), and full chains only (budget 1.0: the control)
 #   2. train      a fresh copy of the model on each arm's sft/ records
 #   3. solve      N_TEST test questions greedily under γ = 0.5, 0.7, 1.0 for each arm
 # Writes under ${OUT:-outputs/gpu_loop}/: <step>/<arm>/…, each solve's summary.json, and

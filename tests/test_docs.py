@@ -302,7 +302,7 @@ def run_python(text: str, cwd: Path, monkeypatch) -> dict:
 def test_reading_and_training_recipes(workdir, model_dir, monkeypatch):
     read = run_python(block("data = pl.read_parquet("), workdir, monkeypatch)
     assert read["data"].height == 6 * 2 and read["hf"].num_rows == 6 * 2
-    assert read["table"].num_rows == 6 * 2 and read["sft"].num_rows == 6
+    assert read["table"].num_rows == 6 * 2 and read["sft"].num_rows == 6 * 3
     assert "('missing_column', 1)" in read["printed"]
     # The model the guide trains is SmolLM2, minutes of CPU: the tiny model stands in.
     train = block("trainer = SFTTrainer(").replace('"smollm2-135m-instruct"', repr(str(model_dir)))
@@ -380,7 +380,7 @@ def test_demo_then_recipes_as_written(local_ray, tmp_path, monkeypatch):
     again = job_in_process(shlex.split(demo[1]))
     assert "scored 0, rejected 0, already done 24" in compress.summary(again, Output(again["output"]))
     read = run_python(block("data = pl.read_parquet("), work, monkeypatch)
-    assert read["data"].height == 24 * 5 and read["sft"].num_rows == 24
+    assert read["data"].height == 24 * 5 and read["sft"].num_rows == 24 * 6
     # The README's row, less what another machine's rounding could change (which tokens).
     row = readme_records()[0]
     [got] = read["data"].filter((read["data"]["id"] == row["id"])

@@ -234,7 +234,7 @@ def test_trl_trains_on_prompt_completion_with_the_loss_on_the_completion(refresh
     assert not (out / "dataset_info.json").exists()  # LLaMA-Factory does not read this layout
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     records = read_sft(out)
-    assert len(records) == len(FIRST) + len(SECOND)
+    assert len(records) == (len(FIRST) + len(SECOND)) * (len(BUDGETS) + 1)  # sft_mix "all"
     batch = train_two_steps(load_model(str(model_dir), for_training=True).model, tokenizer,
                             sft_dataset(out, tmp_path), tmp_path)
     check_loss_on_completion_only(batch, tokenizer, records, lambda r: r["prompt"],

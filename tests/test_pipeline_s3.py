@@ -139,7 +139,7 @@ def test_end_to_end_s3_then_refresh(s3, local_ray, model_dir, tokenizer, capfd):
                                        "invalid_utf8": 1, "missing_column": 2, "not_an_object": 1,
                                        "too_long": 1}
     assert c["written_per_budget"] == {"0.5": 10, "0.8": 10}
-    assert c["sft_records"] == 10 and c["score_rows"] == 10
+    assert c["sft_records"] == 10 * 3 and c["score_rows"] == 10  # each at 0.5, 0.8 and 1.0
 
     # data/: schema, one row per (example, budget), exact token counts, pruning reproduced
     data = read_out("data")
@@ -184,12 +184,12 @@ def test_end_to_end_s3_then_refresh(s3, local_ray, model_dir, tokenizer, capfd):
     assert next(r for r in rejects if r["reason"] == "too_long")["id"] == "long"
     assert next(r for r in rejects if r["reason"] == "duplicate_id")["id"] == "a1"
 
-    # sft/: one record per example, budgets mixed with the full chain, in TRL's
+    # sft/: one record per example and γ, the full chain too (sft_mix "all"), in TRL's
     # conversational prompt-completion layout
     sft = read_sft(s3)
-    assert sorted(r["id"] for r in sft) == sorted(ids)
+    assert sorted((r["id"], r["budget"]) for r in sft) == sorted(
+        (i, g) for i in ids for g in (0.5, 0.8, 1.0))
     for rec in sft:
-        assert rec["budget"] in (0.5, 0.8, 1.0)
         user, assistant = rec["prompt"][0]["content"], rec["completion"][0]["content"]
         d = directive(rec["budget"])
         assert user == by_id[rec["id"]]["question"] + ("" if d is None else f"\n\n{d}")
@@ -201,7 +201,7 @@ def test_end_to_end_s3_then_refresh(s3, local_ray, model_dir, tokenizer, capfd):
     assert {"ray", "torch", "transformers", "pyarrow", "mist-cot"} <= set(manifest["versions"])
     assert manifest["timings"]["run_s"] > 0 and manifest["throughput"]["chains_per_s"] > 0
     assert manifest["totals"]["rows_per_budget"] == {"0.5": 10, "0.8": 10}
-    assert manifest["totals"]["rejects"] == 8 and manifest["totals"]["sft_records"] == 10
+    assert manifest["totals"]["rejects"] == 8 and manifest["totals"]["sft_records"] == 30
     assert [f["name"] for f in manifest["data_schema"]][-2:] == ["difficulty", "topic"]
     assert len(manifest["runs"]) == 1
     assert SECRET_KEY not in json.dumps(manifest)
@@ -218,7 +218,7 @@ def test_end_to_end_s3_then_refresh(s3, local_ray, model_dir, tokenizer, capfd):
     pairs = list(zip(data.column("id").to_pylist(), data.column("budget").to_pylist()))
     assert len(pairs) == len(set(pairs)) == 26
     assert {i for i, _ in pairs} == ids | {"c0", "c1", "c2"}
-    assert len(read_out("rejects")) == 9 and len(read_sft(s3)) == 13
+    assert len(read_out("rejects")) == 9 and len(read_sft(s3)) == 13 * 3
     assert manifest["totals"]["rows_per_budget"] == {"0.5": 13, "0.8": 13}
     assert len(manifest["runs"]) == 2
 
@@ -266,7 +266,7 @@ def test_unfinished_run_is_completed_without_duplicates(local_ray, model_dir, tm
     assert (c["read"], c["scored"], c["already_done"], c["rejected"]) == (8, 5, 3, 0)
     assert manifest["totals"]["rows_per_budget"] == {"0.5": 8, "0.8": 8}
     assert manifest["totals"]["duplicate_rows"] == 0
-    assert manifest["totals"]["sft_records"] == 8
+    assert manifest["totals"]["sft_records"] == 8 * 3
     assert not (out / "sft" / "crashed-0000.jsonl").exists()
     assert not (out / "data" / "_tmp-crashed.parquet").exists()
     assert manifest["runs"][0]["run_id"] is None  # the unfinished run, noted

@@ -6,6 +6,7 @@ import io
 import json
 import re
 from collections import Counter
+from dataclasses import replace
 
 import pyarrow as pa
 import pytest
@@ -69,9 +70,12 @@ def test_sft_mix_all_and_sample():
     assert [r["budget"] for r in every] == [0.5, 0.8, 1.0]
     assert [r["completion"][0]["content"].split("\n\n")[0] for r in every] == \
         ["half", "most", "full"]
-    one = sft_records(id="x", question="Q", cot="full", answer="1", compressed=compressed)
+    assert every == sft_records(id="x", question="Q", cot=" full ", answer="1",
+                                compressed=compressed)  # the default
+    one = sft_records(id="x", question="Q", cot="full", answer="1", compressed=compressed,
+                      mix="sample")
     assert len(one) == 1 and one == sft_records(id="x", question="Q", cot="full", answer="1",
-                                                compressed=compressed)
+                                                compressed=compressed, mix="sample")
     with pytest.raises(ValueError):
         sft_records(id="x", question="Q", cot="c", answer="1", compressed={}, fmt="sharegpt")
 
@@ -312,32 +316,36 @@ def _totals(per_budget, sft, rejects=0, dups=0):
 
 
 def test_reconcile_accepts_matching_counts():
-    cfg = JobConfig(budgets=[0.5, 0.9])
-    stats = WriteStats(rows=5, scored=4, rejected=1, rejects_written=1, sft=4,
+    cfg = JobConfig(budgets=[0.5, 0.9])  # sft_mix "all": 3 records an example
+    stats = WriteStats(rows=5, scored=4, rejected=1, rejects_written=1, sft=12,
                        written=Counter({"0.5": 4, "0.9": 4}))
-    reconcile(cfg, _plan(5, invalid=1), stats, Existing(), _totals({"0.5": 4, "0.9": 4}, 4, 1))
+    reconcile(cfg, _plan(5, invalid=1), stats, Existing(), _totals({"0.5": 4, "0.9": 4}, 12, 1))
+    one = JobConfig(budgets=[0.5, 0.9], sft_mix="sample")  # one record an example
+    reconcile(one, _plan(5, invalid=1), replace(stats, sft=4), Existing(),
+              _totals({"0.5": 4, "0.9": 4}, 4, 1))
 
 
 @pytest.mark.parametrize("change, message", [
     (dict(rows=4, scored=3), "rows that reached the writer"),  # a row lost on the way
     (dict(written=Counter({"0.5": 4, "0.9": 3})), "budget 0.9"),
-    (dict(sft=3), "sft records written"),
+    (dict(sft=11), "sft records written"),
+    (dict(sft=4), "sft records written"),  # one an example where sft_mix "all" writes three
 ])
 def test_reconcile_fails_loudly(change, message):
     cfg = JobConfig(budgets=[0.5, 0.9])
-    base = dict(rows=5, scored=4, rejected=1, rejects_written=1, sft=4,
+    base = dict(rows=5, scored=4, rejected=1, rejects_written=1, sft=12,
                 written=Counter({"0.5": 4, "0.9": 4}))
     stats = WriteStats(**{**base, **change})
     with pytest.raises(AccountingError, match=re.escape(message)):
         reconcile(cfg, _plan(5, invalid=1), stats, Existing(),
-                  _totals({"0.5": 4, "0.9": 4}, 4, 1))
+                  _totals({"0.5": 4, "0.9": 4}, 12, 1))
 
 
 def test_reconcile_catches_duplicates_in_output():
     cfg = JobConfig(budgets=[0.5])
-    stats = WriteStats(rows=2, scored=2, sft=2, written=Counter({"0.5": 2}))
+    stats = WriteStats(rows=2, scored=2, sft=4, written=Counter({"0.5": 2}))
     with pytest.raises(AccountingError, match="duplicate"):
-        reconcile(cfg, _plan(2), stats, Existing(), _totals({"0.5": 2}, 2, dups=1))
+        reconcile(cfg, _plan(2), stats, Existing(), _totals({"0.5": 2}, 4, dups=1))
 
 # ------------------------------------------------------------------ shipped configuration
 

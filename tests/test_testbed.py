@@ -363,6 +363,10 @@ def test_a_stored_seed_is_not_scored_again(tmp_path, monkeypatch):
     assert scored[2:] == [["writer_hybrid_sent"]] and "sent_mix_all" in out["kept"]
     assert runs == [("sent_mix_all", [chain], {"p0": "writer_hybrid_sent"}, "all")]
     assert out["arms"]["sent_mix_all"]["budgets"]["1.0"]["accuracy"] == 0.6
+    # ... or on the shortest chains, where its base is an arm on them
+    out = testbed.run_seed(0, sizes, ["h2o", "shortest_mix_all"], tmp_path, None)
+    assert scored[3:] == [["writer_hybrid_sent"]] and "shortest_mix_all" in out["kept"]
+    assert runs[1:] == [("shortest_mix_all", [samples[1]], {"q#3": "writer_hybrid_sent"}, "all")]
 
 
 def test_seeds_in_parallel_share_one_target_trained_first(tmp_path, monkeypatch):

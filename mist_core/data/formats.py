@@ -249,11 +249,12 @@ def pick_budget(key: str, choices: Sequence[float], seed: int = 0) -> float:
 
 
 def sft_records(*, id: str, question: str, cot: str, answer: str,
-                compressed: dict[float, str], fmt: str = "prompt-completion", mix: str = "sample",
+                compressed: dict[float, str], fmt: str = "prompt-completion", mix: str = "all",
                 seed: int = 0) -> list[dict]:
     """The SFT records of one example. `compressed` maps each budget to its chain; γ = 1.0
-    uses the full chain unless it was one of the budgets. mix="sample": one record, its γ
-    drawn uniformly from the budgets and 1.0; mix="all": one record per γ."""
+    uses the full chain unless it was one of the budgets. mix="all": one record per γ, in
+    order (the model sees each chain whole and at every budget: the better recipe on the
+    testbed); mix="sample": one record, its γ drawn uniformly from the budgets and 1.0."""
     make = _MAKERS.get(sft_format_name(fmt))
     if make is None:
         raise ValueError(f"sft format must be one of {SFT_FORMATS}, not {fmt!r}")

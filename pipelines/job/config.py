@@ -33,9 +33,9 @@ class JobConfig(Settings, RemoteCode):
         "user turn asks to reduce (1-γ)% of the tokens; messages, alpaca and tokenskip also "
         "write LLaMA-Factory's dataset_info.json", group="output",
         choices=SFT_FORMATS)
-    sft_mix: str = setting("sample", "sample: one record per example, γ drawn uniformly from "
-                           "the budgets and 1.0; all: one record per γ", group="output",
-                           choices=SFT_MIXES)
+    sft_mix: str = setting("all", "all: one record per example and γ, the budgets and 1.0 "
+                           "(the model sees each chain whole and at every budget); sample: one "
+                           "per example, γ drawn uniformly", group="output", choices=SFT_MIXES)
     max_error_share: float = setting(
         0.0, "the share of the rows read (0 to 1) that may fail for the job's or the model's "
         "fault (score_error, nonfinite_scores, prune_error, unexpected_error; bad input never "

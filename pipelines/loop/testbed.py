@@ -54,7 +54,7 @@ METHODS = ("mist", "necessity", "sufficiency", "h2o", "crisp", "perplexity", "go
            "h2o_eq", "mist_writer_eq", "necessity_writer_eq", "writer_hybrid_eq",
            "writer_hybrid_sent", "writer_hybrid_sentf", "uniform_sent", "oracle", "oracle_near",
            "oracle_cue", "oracle_sent", "shortest_sent", "all_of_k", "sent_mix_all",
-           "sent_mix_sample")
+           "sent_mix_sample", "shortest_mix_all")
 # Not scorers: `head` keeps the first tokens (truncation), `tail` the last; `oracle` keeps the
 # generator's ground truth (operands, operators, results) and the equations' `=` first, then
 # random tokens up to ⌈γT⌉: the ceiling for any scorer. `oracle_near` fills with the tokens
@@ -104,11 +104,12 @@ SENTENCE_KEEP = {"writer_hybrid_sentf": "facts"}
 # instead of its Phase 0 chain: whether sampling's shortening and pruning's add up.
 OF_SHORTEST = {"shortest_sent": "writer_hybrid_sent"}
 # Another method's chains under a mixture recipe whatever --mix says: one model for every γ,
-# trained on every chain at each γ of {0.5, 0.7, 1.0} ("all") or on one γ per chain
-# ("sample", `mist compress`'s default sft_mix), answering under each; against the per-budget
-# models of the base: what a mixture costs or buys at each γ.
+# trained on every chain at each γ of {0.5, 0.7, 1.0} ("all", `mist compress`'s default
+# sft_mix) or on one γ per chain ("sample", its earlier default), answering under each;
+# against the per-budget models of the base: what a mixture costs or buys at each γ.
 MIXTURES = {"sent_mix_all": ("writer_hybrid_sent", "all"),
-            "sent_mix_sample": ("writer_hybrid_sent", "sample")}
+            "sent_mix_sample": ("writer_hybrid_sent", "sample"),
+            "shortest_mix_all": ("shortest_sent", "all")}
 ALPHAS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 ALPHA_SLICE = 60  # Phase 0 chains α is chosen on
 # name -> (method a, method b, w, whether b's scores are taken in log): w·z(a) + (1 − w)·z(b).
@@ -124,10 +125,11 @@ WHOLE = ("all_of_k",)
 # the ceilings: random fill, the nearest tokens, with the writer's cues, and those under the
 # sentence rule
 ORACLES = ("oracle", "oracle_near", "oracle_cue", "oracle_sent")
-# The arm of the project's default method (MistScorer's and `mist compress`'s defaults:
-# clipped layer weights, target "both", the sentences without an equation dropped first, then
-# the numbers and operators kept first).
-DEFAULT_ARM = "writer_hybrid_sent"
+# The arm of the project's default method and output (MistScorer's and `mist compress`'s
+# defaults: clipped layer weights, target "both", the sentences without an equation dropped
+# first, then the numbers and operators kept first; SFT records of every chain at every γ and
+# whole, sft_mix "all", one model trained on them).
+DEFAULT_ARM = "sent_mix_all"
 TRAIN_BUDGETS = (0.5, 0.7)  # the pruned budgets of the mixture; 1.0 (the full chain) joins them
 EVAL_BUDGETS = (0.5, 0.7, 1.0)
 STYLE = "gsm8k"  # numeric answers: answers.answer_correct compares numbers
@@ -534,26 +536,29 @@ def run_seed(seed: int, sizes: Sizes, methods, work: Path, tok) -> dict:
     arms = state.setdefault("arms", {})
     # Only what is not stored is scored: a resumed or re-rendered seed costs no scoring.
     todo = [m for m in methods if m not in arms or m not in state.get("kept", {})]
+    # A mixture arm trains on its base's chains, scored here whether or not the base is run.
+    bases = {MIXTURES[m][0] for m in todo if m in MIXTURES}
     on_phase0 = [m for m in todo
                  if m not in OF_SHORTEST and m not in WHOLE and m not in MIXTURES]
-    on_phase0 += sorted({MIXTURES[m][0] for m in todo if m in MIXTURES} - set(on_phase0))
+    on_phase0 += sorted(bases - set(on_phase0) - set(OF_SHORTEST))
     compressed, kept = (score_and_prune(target, chains, on_phase0, seed, sizes.unit) if on_phase0
                         else ({}, {}))
-    for arm in (m for m in todo if m in MIXTURES):
-        compressed[arm], kept[arm] = compressed[MIXTURES[arm][0]], kept[MIXTURES[arm][0]]
     samples = samples_of_k(target, pool, chains, sizes, seed, root / "phase0_k.json")
     shortest = shortest_per_question(samples)
-    for arm in (m for m in todo if m in OF_SHORTEST):
+    for arm in sorted({m for m in todo if m in OF_SHORTEST} | (bases & set(OF_SHORTEST))):
         base = OF_SHORTEST[arm]
         done, stats = score_and_prune(target, list(shortest.values()), [base], seed, sizes.unit)
         compressed[arm], kept[arm] = done[base], stats[base]
+    for arm in (m for m in todo if m in MIXTURES):
+        compressed[arm], kept[arm] = compressed[MIXTURES[arm][0]], kept[MIXTURES[arm][0]]
     state["kept"] = {**state.get("kept", {}), **kept}
     _save_json(state_path, state)
 
     for arm in list(CONTROLS) + list(methods):
         if arm in arms:
             continue
-        corpus = list(shortest.values()) if arm in OF_SHORTEST else chains
+        on_shortest = arm in OF_SHORTEST or MIXTURES.get(arm, ("",))[0] in OF_SHORTEST
+        corpus = list(shortest.values()) if on_shortest else chains
         if arm in MIXTURES:
             records = arm_records(arm, corpus, compressed[arm], seed, MIXTURES[arm][1])
             arms[arm] = run_arm(arm, target_dir, records, test_rows, sizes, seed, root / arm)
@@ -683,13 +688,16 @@ def plot(seeds: dict[int, dict], methods, path: Path) -> None:
     if all(ends):
         ax.plot([e["chain_tokens"][0] for e in ends], [100 * e["accuracy"][0] for e in ends],
                 "k--", lw=1, label="no chain – full chain")
-    for arm in list(methods) + [c for c in CONTROLS if c not in ("full_chain", "no_chain")]:
+    arms = list(methods) + [c for c in CONTROLS if c not in ("full_chain", "no_chain")]
+    colours = plt.get_cmap("tab10" if len(arms) <= 10 else "tab20").colors  # one per arm
+    for i, arm in enumerate(arms):
         pts = [(g, rows[(arm, g)]) for g in EVAL_BUDGETS if (arm, g) in rows]
         if not pts:
             continue
         x = [r["chain_tokens"][0] for _, r in pts]
         y = [100 * r["accuracy"][0] for _, r in pts]
         style = dict(lw=2.5, zorder=3) if arm == DEFAULT_ARM else dict(lw=1, alpha=0.8)
+        style["color"] = colours[i % len(colours)]
         ax.plot(x, y, "o-", label=arm + (" (default)" if arm == DEFAULT_ARM else ""), **style)
         for (g, _), xi, yi in zip(pts, x, y):
             ax.annotate(f"{g:g}", (xi, yi), fontsize=7, xytext=(3, 3), textcoords="offset points")
@@ -781,12 +789,14 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
         "mean score first, while ⌈γT⌉ tokens are left), then the numbers and operators "
         "first in what is left; `_sentf` drops those without a number or an operator instead; "
         "`uniform_sent` is `_sent` on random scores, `oracle_sent` on oracle_cue's (the "
-        "ceiling under the sentence rule). `shortest_sent`: the default (`writer_hybrid_sent`) "
-        "on shortest_of_k's corpus, each question's shortest correct chain, instead of its "
-        "Phase 0 chain. `sent_mix_all` and `sent_mix_sample`: the default's chains under a "
-        "mixture, one model for every γ trained on each chain at every γ of {0.5, 0.7, 1.0} "
-        "(`all`) or at one γ drawn by its id (`sample`, `mist compress`'s default `sft_mix`), "
-        "answering under each γ. `all_of_k`, a control like the three: every correct sample of the "
+        "ceiling under the sentence rule; `writer_hybrid_sent` is the default method's). "
+        "`shortest_sent`: `writer_hybrid_sent` on shortest_of_k's corpus, each question's "
+        "shortest correct chain, instead of its Phase 0 chain. `sent_mix_all` and "
+        "`sent_mix_sample`: `writer_hybrid_sent`'s chains under a mixture, one model for every "
+        "γ trained on each chain at every γ of {0.5, 0.7, 1.0} (`all`, `mist compress`'s "
+        "default `sft_mix`: the default arm) or at one γ drawn by its id (`sample`), answering "
+        "under each γ; `shortest_mix_all`: `shortest_sent`'s chains under `all`. `all_of_k`, "
+        "a control like the three: every correct sample of the "
         f"{sizes.shortest_k} (each chain once per question), whole.",
         f"- Phase 3: greedy answers on {sizes.test} new test questions under each γ (the "
         "controls under 1.0). *Chain tokens*: tokens the model writes before `The answer is`.",
