@@ -338,7 +338,7 @@ def test_llamafactory_recipe(workdir, tmp_path):
     config = yaml.safe_load(block("dataset: mist"))
     assert config["stage"] == "sft" and config["dataset"] == "mist"
     turns = llamafactory_load(workdir / config["dataset_dir"], config["dataset"], tmp_path)
-    assert len(turns) == 6 and all(t["assistant"] for t in turns)
+    assert len(turns) == 6 * 3 and all(t["assistant"] for t in turns)  # 0.5, 0.8, whole
 
 
 # ------------------------------------------------------------------ with SmolLM2 (slow)
