@@ -48,20 +48,20 @@ def env(**faults) -> dict:
 
 
 def output_rows(out: Path) -> tuple[Counter, Counter]:
-    """(id, budget) -> count in data/, id -> count in sft/."""
+    """(id, budget) -> count in data/ and in sft/."""
     data = Counter()
     for f in committed(out / "data"):
         t = pq.read_table(f, columns=["id", "budget"])
         data.update(zip(t.column("id").to_pylist(), t.column("budget").to_pylist()))
-    sft = Counter(json.loads(line)["id"] for f in (out / "sft").glob("*.jsonl")
-                  for line in f.read_text().splitlines() if line.strip())
+    sft = Counter((r["id"], r["budget"]) for f in (out / "sft").glob("*.jsonl")
+                  for r in (json.loads(x) for x in f.read_text().splitlines() if x.strip()))
     return data, sft
 
 
 def assert_exactly_once(out: Path, ids: list[str]) -> None:
     data, sft = output_rows(out)
     assert data == Counter({(i, b): 1 for i in ids for b in (0.5, 0.8)})
-    assert sft == Counter({i: 1 for i in ids})
+    assert sft == Counter({(i, b): 1 for i in ids for b in (0.5, 0.8, 1.0)})  # sft_mix "all"
 
 
 def test_scoring_actor_dying_mid_batch_is_replaced(local_ray, model_dir, tmp_path, monkeypatch):

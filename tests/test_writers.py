@@ -105,9 +105,9 @@ def test_two_runs_onto_one_local_output_one_refuses_and_rows_are_written_once(mo
     assert manifest["totals"]["duplicate_rows"] == 0 and manifest["counts"]["scored"] == 8
     data = [pq.read_table(f, columns=["id", "budget"]) for f in committed(out / "data")]
     assert pairs(data) == Counter((i, b) for i in ids for b in BUDGETS)
-    sft = [json.loads(ln)["id"] for f in (out / "sft").glob("*.jsonl")
-           for ln in f.read_text().splitlines()]
-    assert Counter(sft) == Counter(ids)
+    sft = [(r["id"], r["budget"]) for f in (out / "sft").glob("*.jsonl")
+           for r in map(json.loads, f.read_text().splitlines())]
+    assert Counter(sft) == Counter((i, b) for i in ids for b in BUDGETS + (1.0,))
     # --rows-per-file 2: every commit group holds two input rows (issue 30, case 8)
     assert sorted(len(set(t.column("id").to_pylist())) for t in data) == [2, 2, 2, 2]
     assert not (out / lease.LEASE).exists()  # given back
