@@ -557,16 +557,13 @@ def run_seed(seed: int, sizes: Sizes, methods, work: Path, tok) -> dict:
     for arm in list(CONTROLS) + list(methods):
         if arm in arms:
             continue
-        on_shortest = arm in OF_SHORTEST or MIXTURES.get(arm, ("",))[0] in OF_SHORTEST
-        corpus = list(shortest.values()) if on_shortest else chains
-        if arm in MIXTURES:
-            records = arm_records(arm, corpus, compressed[arm], seed, MIXTURES[arm][1])
-            arms[arm] = run_arm(arm, target_dir, records, test_rows, sizes, seed, root / arm)
-        elif sizes.mix == "per_budget" and not _whole(arm):
+        base, mix = MIXTURES.get(arm, (arm, sizes.mix))  # a mixture: its base's chains
+        corpus = list(shortest.values()) if base in OF_SHORTEST else chains
+        if mix == "per_budget" and not _whole(arm):
             arms[arm] = run_per_budget(arm, target_dir, corpus, compressed[arm], test_rows, sizes,
                                        seed, root, arms["full_chain"])
         else:
-            records = arm_records(arm, corpus, compressed.get(arm), seed, sizes.mix, samples)
+            records = arm_records(arm, corpus, compressed.get(arm), seed, mix, samples)
             arms[arm] = run_arm(arm, target_dir, records, test_rows, sizes, seed, root / arm)
         _save_json(state_path, state)
         acc = {g: round(v["accuracy"], 3) for g, v in arms[arm]["budgets"].items()}
