@@ -328,13 +328,18 @@ def test_a_stored_seed_is_not_scored_again(tmp_path, monkeypatch):
     monkeypatch.setattr(testbed, "train_target", lambda *a: None)
     monkeypatch.setattr(testbed, "phase0", lambda *a, **k: [chain])
     samples = [{"id": "q#0", "source_id": "q", "tokens": 9}, {"id": "q#3", "source_id": "q", "tokens": 5}]
-    monkeypatch.setattr(testbed, "samples_of_k", lambda *a: samples)
-    scored, trained = [], {}
+    sampled = []
+    monkeypatch.setattr(testbed, "samples_of_k", lambda *a: sampled.append(1) or samples)
+    scored, trained, asked = [], {}, []
 
-    def score_and_prune(lm, chains, methods, seed, unit):
+    def score_and_prune(lm, chains, methods, seed, unit, budgets):
         scored.append(list(methods))
-        return ({m: {c.get("id", "p0"): m for c in chains} for m in methods},
-                {m: {"0.5": {}} for m in methods})
+        asked.append(budgets)
+        return ({m: {c.get("id", "p0"): {g: f"{m}@{g}" for g in budgets} for c in chains}
+                 for m in methods}, {m: {"0.5": {}} for m in methods})
+
+    def chains_of(method, cid, budgets=testbed.TRAIN_BUDGETS):
+        return {cid: {g: f"{method}@{g}" for g in budgets}}
 
     def run_per_budget(arm, target, chains, compressed, *a):
         trained[arm] = (chains, compressed)
@@ -343,15 +348,16 @@ def test_a_stored_seed_is_not_scored_again(tmp_path, monkeypatch):
     monkeypatch.setattr(testbed, "score_and_prune", score_and_prune)
     monkeypatch.setattr(testbed, "run_per_budget", run_per_budget)
     out = testbed.run_seed(0, sizes, ["h2o"], tmp_path, None)
-    assert scored == [] and out["arms"] == arms
+    assert scored == [] and out["arms"] == arms and sampled == []  # nothing needs k samples
     out = testbed.run_seed(0, sizes, ["h2o", "uniform"], tmp_path, None)
     assert scored == [["uniform"]] and set(out["kept"]) == {"h2o", "uniform"}
     assert out["arms"]["uniform"]["train_seconds"] == 2.0
-    assert trained["uniform"] == ([chain], {"p0": "uniform"})
+    assert trained["uniform"] == ([chain], chains_of("uniform", "p0")) and sampled == []
     # an arm on the shortest chains scores its base method on them and trains on them
     out = testbed.run_seed(0, sizes, ["h2o", "uniform", "shortest_sent"], tmp_path, None)
     assert scored[1:] == [["writer_hybrid_sent"]] and "shortest_sent" in out["kept"]
-    assert trained["shortest_sent"] == ([samples[1]], {"q#3": "writer_hybrid_sent"})
+    assert trained["shortest_sent"] == ([samples[1]], chains_of("writer_hybrid_sent", "q#3"))
+    assert sampled == [1]
     # a mixture arm scores its base on the Phase 0 chains and trains one model on every γ
     # of them under its own mix, whatever the recipe's
     runs = []
@@ -361,12 +367,19 @@ def test_a_stored_seed_is_not_scored_again(tmp_path, monkeypatch):
         "budgets": {"0.5": {"accuracy": 0.2}, "1.0": {"accuracy": 0.6}}, "train_seconds": 3.0})
     out = testbed.run_seed(0, sizes, ["h2o", "sent_mix_all"], tmp_path, None)
     assert scored[2:] == [["writer_hybrid_sent"]] and "sent_mix_all" in out["kept"]
-    assert runs == [("sent_mix_all", [chain], {"p0": "writer_hybrid_sent"}, "all")]
+    assert runs == [("sent_mix_all", [chain], chains_of("writer_hybrid_sent", "p0"), "all")]
     assert out["arms"]["sent_mix_all"]["budgets"]["1.0"]["accuracy"] == 0.6
     # ... or on the shortest chains, where its base is an arm on them
     out = testbed.run_seed(0, sizes, ["h2o", "shortest_mix_all"], tmp_path, None)
     assert scored[3:] == [["writer_hybrid_sent"]] and "shortest_mix_all" in out["kept"]
-    assert runs[1:] == [("shortest_mix_all", [samples[1]], {"q#3": "writer_hybrid_sent"}, "all")]
+    assert runs[1:] == [("shortest_mix_all", [samples[1]], chains_of("writer_hybrid_sent", "q#3"),
+                         "all")]
+    # the job's five budgets: the base pruned at each (a mixture scored beside it keeps its own)
+    five = tuple(testbed.DEFAULT_BUDGETS)
+    out = testbed.run_seed(0, sizes, ["h2o", "sent_mix_five", "sent_mix_sample"], tmp_path, None)
+    assert scored[4:] == [["writer_hybrid_sent"]] and asked[-1] == five
+    assert runs[2:] == [("sent_mix_five", [chain], chains_of("writer_hybrid_sent", "p0", five), "all"),
+                        ("sent_mix_sample", [chain], chains_of("writer_hybrid_sent", "p0"), "sample")]
 
 
 def test_seeds_in_parallel_share_one_target_trained_first(tmp_path, monkeypatch):

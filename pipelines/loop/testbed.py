@@ -42,7 +42,7 @@ import numpy as np
 from pydantic import field_validator
 
 from ..common.errors import ConfigError
-from ..common.settings import Kit, listed, parse, positive, setting
+from ..common.settings import DEFAULT_BUDGETS, Kit, listed, parse, positive, setting
 from ..common.exits import run_main
 
 log = logging.getLogger("pipelines.loop.testbed")
@@ -54,7 +54,7 @@ METHODS = ("mist", "necessity", "sufficiency", "h2o", "crisp", "perplexity", "go
            "h2o_eq", "mist_writer_eq", "necessity_writer_eq", "writer_hybrid_eq",
            "writer_hybrid_sent", "writer_hybrid_sentf", "uniform_sent", "oracle", "oracle_near",
            "oracle_cue", "oracle_sent", "shortest_sent", "all_of_k", "sent_mix_all",
-           "sent_mix_sample", "shortest_mix_all")
+           "sent_mix_sample", "shortest_mix_all", "sent_mix_five")
 # Not scorers: `head` keeps the first tokens (truncation), `tail` the last; `oracle` keeps the
 # generator's ground truth (operands, operators, results) and the equations' `=` first, then
 # random tokens up to ⌈γT⌉: the ceiling for any scorer. `oracle_near` fills with the tokens
@@ -100,16 +100,20 @@ SENTENCES_OF = {"writer_hybrid_sent": "writer_hybrid", "uniform_sent": "uniform"
 # sentences_first of each: the sentences without an equation go whole, or (sentf) those
 # without a number or an operator.
 SENTENCE_KEEP = {"writer_hybrid_sentf": "facts"}
+TRAIN_BUDGETS = (0.5, 0.7)  # the pruned budgets of the mixture; 1.0 (the full chain) joins them
 # Another method run on each question's shortest correct chain of k (shortest_of_k's corpus)
 # instead of its Phase 0 chain: whether sampling's shortening and pruning's add up.
 OF_SHORTEST = {"shortest_sent": "writer_hybrid_sent"}
 # Another method's chains under a mixture recipe whatever --mix says: one model for every γ,
-# trained on every chain at each γ of {0.5, 0.7, 1.0} ("all", `mist compress`'s default
+# trained on every chain at each pruned γ and whole ("all", `mist compress`'s default
 # sft_mix) or on one γ per chain ("sample", its earlier default), answering under each;
 # against the per-budget models of the base: what a mixture costs or buys at each γ.
-MIXTURES = {"sent_mix_all": ("writer_hybrid_sent", "all"),
-            "sent_mix_sample": ("writer_hybrid_sent", "sample"),
-            "shortest_mix_all": ("shortest_sent", "all")}
+# name -> (base, mix, the pruned budgets trained on): TRAIN_BUDGETS, or `mist compress`'s
+# default five (sent_mix_five: the job's output as it ships).
+MIXTURES = {"sent_mix_all": ("writer_hybrid_sent", "all", TRAIN_BUDGETS),
+            "sent_mix_sample": ("writer_hybrid_sent", "sample", TRAIN_BUDGETS),
+            "shortest_mix_all": ("shortest_sent", "all", TRAIN_BUDGETS),
+            "sent_mix_five": ("writer_hybrid_sent", "all", tuple(DEFAULT_BUDGETS))}
 ALPHAS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 ALPHA_SLICE = 60  # Phase 0 chains α is chosen on
 # name -> (method a, method b, w, whether b's scores are taken in log): w·z(a) + (1 − w)·z(b).
@@ -130,7 +134,6 @@ ORACLES = ("oracle", "oracle_near", "oracle_cue", "oracle_sent")
 # first, then the numbers and operators kept first; SFT records of every chain at every γ and
 # whole, sft_mix "all", one model trained on them).
 DEFAULT_ARM = "sent_mix_all"
-TRAIN_BUDGETS = (0.5, 0.7)  # the pruned budgets of the mixture; 1.0 (the full chain) joins them
 EVAL_BUDGETS = (0.5, 0.7, 1.0)
 STYLE = "gsm8k"  # numeric answers: answers.answer_correct compares numbers
 
@@ -250,11 +253,11 @@ def samples_of_k(lm, problems, chains: list[dict], sizes: Sizes, seed: int, path
     return out
 
 
-def score_and_prune(lm, chains: list[dict], methods, seed: int, unit: str = "token"
-                    ) -> tuple[dict, dict]:
-    """Every method's compressed chains ({method: {chain id: {γ: text}}}) and what they
-    keep against the ground truth ({method: {γ: {precision, recall, n}}}: means over the
-    chains whose every step the labeller found)."""
+def score_and_prune(lm, chains: list[dict], methods, seed: int, unit: str = "token",
+                    budgets=TRAIN_BUDGETS) -> tuple[dict, dict]:
+    """Every method's compressed chains at each of `budgets` ({method: {chain id: {γ: text}}})
+    and what they keep against the ground truth ({method: {γ: {precision, recall, n}}}: means
+    over the chains whose every step the labeller found)."""
     from mist_core.data.examples import Example
     from mist_core.data.templates import get_template
     from mist_core.distill.synthetic import (Step, cue_spans, needed_spans, precision_recall,
@@ -281,13 +284,13 @@ def score_and_prune(lm, chains: list[dict], methods, seed: int, unit: str = "tok
         t0 = time.time()
         scored = _scored(method, lm, encoded, labels, seed, cache)
         timings[method] = time.time() - t0
-        out, pr = {}, {g: [] for g in TRAIN_BUDGETS}
-        eq_kept = {g: [0, 0] for g in TRAIN_BUDGETS}
+        out, pr = {}, {g: [] for g in budgets}
+        eq_kept = {g: [0, 0] for g in budgets}
         for enc, sc, need, ok, eq in zip(encoded, scored, needed, labelled, equals):
             if isinstance(sc, InvalidExample):  # not trained on: every method loses the same
                 log.warning("%s: chain %s not scored: %s", method, enc.example.id, sc)
                 continue
-            kept = prune(enc.example, sc, budgets=TRAIN_BUDGETS, unit=UNIT_OF.get(method, unit),
+            kept = prune(enc.example, sc, budgets=budgets, unit=UNIT_OF.get(method, unit),
                          facts_first=method in FACTS_OF or method in SENTENCES_OF,
                          equations_first=method in EQUATIONS_OF,
                          sentences_first=SENTENCE_KEEP.get(method, "equations")
@@ -538,16 +541,24 @@ def run_seed(seed: int, sizes: Sizes, methods, work: Path, tok) -> dict:
     todo = [m for m in methods if m not in arms or m not in state.get("kept", {})]
     # A mixture arm trains on its base's chains, scored here whether or not the base is run.
     bases = {MIXTURES[m][0] for m in todo if m in MIXTURES}
+    budgets = tuple(sorted({*TRAIN_BUDGETS, *(g for m in todo if m in MIXTURES
+                                             for g in MIXTURES[m][2])}))
     on_phase0 = [m for m in todo
                  if m not in OF_SHORTEST and m not in WHOLE and m not in MIXTURES]
     on_phase0 += sorted(bases - set(on_phase0) - set(OF_SHORTEST))
-    compressed, kept = (score_and_prune(target, chains, on_phase0, seed, sizes.unit) if on_phase0
-                        else ({}, {}))
-    samples = samples_of_k(target, pool, chains, sizes, seed, root / "phase0_k.json")
+    compressed, kept = (score_and_prune(target, chains, on_phase0, seed, sizes.unit, budgets)
+                        if on_phase0 else ({}, {}))
+    # The k samples of each question only where an arm still to run needs them (the
+    # shortest-of-k arms, all_of_k): a resumed seed samples nothing it has no use for.
+    needs_k = ({"shortest_of_k"} - set(arms)) | {m for m in todo if m in WHOLE or m in OF_SHORTEST
+                                                  or MIXTURES.get(m, ("",))[0] in OF_SHORTEST}
+    samples = (samples_of_k(target, pool, chains, sizes, seed, root / "phase0_k.json")
+               if needs_k else [])
     shortest = shortest_per_question(samples)
     for arm in sorted({m for m in todo if m in OF_SHORTEST} | (bases & set(OF_SHORTEST))):
         base = OF_SHORTEST[arm]
-        done, stats = score_and_prune(target, list(shortest.values()), [base], seed, sizes.unit)
+        done, stats = score_and_prune(target, list(shortest.values()), [base], seed, sizes.unit,
+                                      budgets)
         compressed[arm], kept[arm] = done[base], stats[base]
     for arm in (m for m in todo if m in MIXTURES):
         compressed[arm], kept[arm] = compressed[MIXTURES[arm][0]], kept[MIXTURES[arm][0]]
@@ -557,13 +568,16 @@ def run_seed(seed: int, sizes: Sizes, methods, work: Path, tok) -> dict:
     for arm in list(CONTROLS) + list(methods):
         if arm in arms:
             continue
-        base, mix = MIXTURES.get(arm, (arm, sizes.mix))  # a mixture: its base's chains
+        # a mixture: its base's chains at its own budgets
+        base, mix, trained = MIXTURES.get(arm, (arm, sizes.mix, TRAIN_BUDGETS))
         corpus = list(shortest.values()) if base in OF_SHORTEST else chains
+        mine = ({i: {g: t for g, t in by.items() if g in trained}
+                 for i, by in compressed[arm].items()} if arm in compressed else None)
         if mix == "per_budget" and not _whole(arm):
-            arms[arm] = run_per_budget(arm, target_dir, corpus, compressed[arm], test_rows, sizes,
+            arms[arm] = run_per_budget(arm, target_dir, corpus, mine, test_rows, sizes,
                                        seed, root, arms["full_chain"])
         else:
-            records = arm_records(arm, corpus, compressed.get(arm), seed, mix, samples)
+            records = arm_records(arm, corpus, mine, seed, mix, samples)
             arms[arm] = run_arm(arm, target_dir, records, test_rows, sizes, seed, root / arm)
         _save_json(state_path, state)
         acc = {g: round(v["accuracy"], 3) for g, v in arms[arm]["budgets"].items()}
@@ -863,7 +877,7 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
     lines += ["", "![accuracy against chain tokens](downstream.png)"]
     pairs = ([(v, base) for v, (base, _) in VARIANTS.items()] + list(FACTS_OF.items())
              + [(v, b + "_facts") for v, b in SENTENCES_OF.items()] + list(OF_SHORTEST.items())
-             + [(m, base) for m, (base, _) in MIXTURES.items()])
+             + [(m, base) for m, (base, *_) in MIXTURES.items()])
     for variant, base in pairs:
         if variant != base and variant in methods and base in methods:
             lines += ["", f"### {variant} − {base}, paired by seed", "",
