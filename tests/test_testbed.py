@@ -412,6 +412,22 @@ def test_seeds_in_parallel_share_one_target_trained_first(tmp_path, monkeypatch)
         [(0, {"here": 0}), (1, {"here": 1})]
 
 
+def test_the_default_arm_is_what_mist_compress_writes_by_default():
+    """testbed.json's default_arm trains on the job's output under its defaults: the scorer's
+    settings, the pruning rule, the budgets and the SFT mixture."""
+    from pipelines.job.config import JobConfig
+    from pipelines.loop import testbed
+
+    job = JobConfig()
+    base, mix, budgets = testbed.MIXTURES[testbed.DEFAULT_ARM]
+    assert (list(budgets), mix) == (job.budgets, job.sft_mix)
+    scorer = testbed.SENTENCES_OF[base]
+    assert testbed.VARIANTS[scorer] == (job.method, {"layer_weights": job.layer_weights,
+                                                     "target": job.target})
+    assert testbed.SENTENCE_KEEP.get(base, "equations") == job.sentences_first
+    assert job.facts_first
+
+
 def test_the_default_arm_against_the_others_and_the_line(tmp_path):
     from pipelines.loop.testbed import DEFAULT_ARM, line_margin, plot, render, Sizes
 

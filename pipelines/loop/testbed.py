@@ -131,9 +131,10 @@ WHOLE = ("all_of_k",)
 ORACLES = ("oracle", "oracle_near", "oracle_cue", "oracle_sent")
 # The arm of the project's default method and output (MistScorer's and `mist compress`'s
 # defaults: clipped layer weights, target "both", the sentences without an equation dropped
-# first, then the numbers and operators kept first; SFT records of every chain at every γ and
-# whole, sft_mix "all", one model trained on them).
-DEFAULT_ARM = "sent_mix_all"
+# first, then the numbers and operators kept first; SFT records of every chain at each of the
+# job's default budgets and whole, sft_mix "all", one model trained on them). A test holds it
+# to the job's defaults.
+DEFAULT_ARM = "sent_mix_five"
 EVAL_BUDGETS = (0.5, 0.7, 1.0)
 STYLE = "gsm8k"  # numeric answers: answers.answer_correct compares numbers
 
@@ -805,8 +806,11 @@ def render(seeds: dict[int, dict], methods, sizes: Sizes, command: str, reading:
         "shortest correct chain, instead of its Phase 0 chain. `sent_mix_all` and "
         "`sent_mix_sample`: `writer_hybrid_sent`'s chains under a mixture, one model for every "
         "γ trained on each chain at every γ of {0.5, 0.7, 1.0} (`all`, `mist compress`'s "
-        "default `sft_mix`: the default arm) or at one γ drawn by its id (`sample`), answering "
-        "under each γ; `shortest_mix_all`: `shortest_sent`'s chains under `all`. `all_of_k`, "
+        "default `sft_mix`) or at one γ drawn by its id (`sample`), answering under each γ; "
+        "`sent_mix_five`: `all` at `mist compress`'s default budgets, "
+        f"{{{', '.join(f'{g:g}' for g in DEFAULT_BUDGETS)}, 1.0}} ({len(DEFAULT_BUDGETS) + 1} "
+        "records a chain: the job's output as it ships); `shortest_mix_all`: `shortest_sent`'s "
+        "chains under `all`. `all_of_k`, "
         "a control like the three: every correct sample of the "
         f"{sizes.shortest_k} (each chain once per question), whole.",
         f"- Phase 3: greedy answers on {sizes.test} new test questions under each γ (the "
