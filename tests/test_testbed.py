@@ -319,7 +319,7 @@ def test_a_stored_seed_is_not_scored_again(tmp_path, monkeypatch):
     root = tmp_path / "seed0"
     root.mkdir()
     arms = {a: {"budgets": {"1.0": {"accuracy": 0.5}}, "train_seconds": 1.0}
-            for a in list(testbed.CONTROLS) + ["h2o"]}
+            for a in list(testbed.CONTROLS) + ["h2o", "all_of_k"]}
     sizes = testbed.Sizes(mix="per_budget")
     state = {"sizes": json.loads(json.dumps(testbed.asdict(sizes))),
              "target": {"accuracy": 0.7}, "arms": arms, "kept": {"h2o": {}}}
@@ -347,8 +347,9 @@ def test_a_stored_seed_is_not_scored_again(tmp_path, monkeypatch):
 
     monkeypatch.setattr(testbed, "score_and_prune", score_and_prune)
     monkeypatch.setattr(testbed, "run_per_budget", run_per_budget)
-    out = testbed.run_seed(0, sizes, ["h2o"], tmp_path, None)
-    assert scored == [] and out["arms"] == arms and sampled == []  # nothing needs k samples
+    out = testbed.run_seed(0, sizes, ["h2o", "all_of_k"], tmp_path, None)
+    # nothing needs k samples: all_of_k (no kept shares, trained whole) is stored
+    assert scored == [] and out["arms"] == arms and sampled == []
     out = testbed.run_seed(0, sizes, ["h2o", "uniform"], tmp_path, None)
     assert scored == [["uniform"]] and set(out["kept"]) == {"h2o", "uniform"}
     assert out["arms"]["uniform"]["train_seconds"] == 2.0

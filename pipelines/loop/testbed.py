@@ -539,7 +539,8 @@ def run_seed(seed: int, sizes: Sizes, methods, work: Path, tok) -> dict:
         raise SystemExit(f"seed {seed}: the target got no Phase 0 question right")
     arms = state.setdefault("arms", {})
     # Only what is not stored is scored: a resumed or re-rendered seed costs no scoring.
-    todo = [m for m in methods if m not in arms or m not in state.get("kept", {})]
+    todo = [m for m in methods
+            if m not in arms or (not _whole(m) and m not in state.get("kept", {}))]
     # A mixture arm trains on its base's chains, scored here whether or not the base is run.
     bases = {MIXTURES[m][0] for m in todo if m in MIXTURES}
     budgets = tuple(sorted({*TRAIN_BUDGETS, *(g for m in todo if m in MIXTURES
