@@ -199,6 +199,11 @@ def _whole(arm: str) -> bool:
     return arm in CONTROLS or arm in WHOLE
 
 
+def _base(arm: str) -> str:
+    """The method whose chains an arm trains on: a mixture's base, else the arm itself."""
+    return MIXTURES[arm][0] if arm in MIXTURES else arm
+
+
 def _trained(path: Path) -> bool:
     return (path / "config.json").is_file()
 
@@ -552,12 +557,12 @@ def run_seed(seed: int, sizes: Sizes, methods, work: Path, tok) -> dict:
                         if on_phase0 else ({}, {}))
     # The k samples of each question only where an arm still to run needs them (the
     # shortest-of-k arms, all_of_k): a resumed seed samples nothing it has no use for.
-    needs_k = ({"shortest_of_k"} - set(arms)) | {m for m in todo if m in WHOLE or m in OF_SHORTEST
-                                                  or MIXTURES.get(m, ("",))[0] in OF_SHORTEST}
+    needs_k = ({"shortest_of_k"} - set(arms)) | {m for m in todo
+                                                  if m in WHOLE or _base(m) in OF_SHORTEST}
     samples = (samples_of_k(target, pool, chains, sizes, seed, root / "phase0_k.json")
                if needs_k else [])
     shortest = shortest_per_question(samples)
-    for arm in sorted({m for m in todo if m in OF_SHORTEST} | (bases & set(OF_SHORTEST))):
+    for arm in sorted({_base(m) for m in todo} & set(OF_SHORTEST)):
         base = OF_SHORTEST[arm]
         done, stats = score_and_prune(target, list(shortest.values()), [base], seed, sizes.unit,
                                       budgets)
